@@ -1,0 +1,73 @@
+"""`python -m hpctrain [overrides...]`: compose -> check -> plan -> launch, on the login node.
+
+Nothing here imports torch: a dry run of a 70B plan finishes in about a second.
+"""
+from __future__ import annotations
+
+import sys
+
+from omegaconf import OmegaConf
+
+from hpctrain.compose import ConfigError, compose
+from hpctrain.check import check, launch_problems
+from hpctrain.layout import layout_of
+from hpctrain.plan.flops import param_counts
+from hpctrain.rundir import prepare_run_dir
+
+USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
+
+  +experiment=tiny      the embedded default: a tiny Llama on 2 local CPU processes
+  +experiment=70b       Llama 3 70B on a Slurm cluster
+  train.steps=N run.dir=PATH launcher=local launcher.nproc=N dry_run=true
+  parallel.dp_shard=N parallel.dp_replicate=N parallel.tp=N parallel.pp=N parallel.zero=0|3
+  checkpoint.every=N checkpoint.keep=N
+  --cfg                 print the composed config and exit
+"""
+
+
+def summary(cfg) -> str:
+    params = param_counts(cfg.model)["total"]
+    lay = layout_of(cfg)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    return (f"model {cfg.model.name}: {params / 1e9:.3f} B parameters ({params:,})\n"
+            f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
+            f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "
+            f"{cfg.train.steps} steps\n"
+            f"run dir: {cfg.run.dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    show_cfg = "--cfg" in argv
+    overrides = [a for a in argv if a != "--cfg"]
+    try:
+        cfg = compose(overrides)
+        if show_cfg:
+            print(OmegaConf.to_yaml(cfg), end="")
+            return 0
+        check(cfg)
+        print(summary(cfg), flush=True)
+        if cfg.dry_run:
+            print("dry run: nothing started")
+            return 0
+        problems = launch_problems(cfg)
+        if problems:
+            raise ConfigError("cannot start this run:\n" + "\n".join(f"  - {p}" for p in problems))
+        run_dir = prepare_run_dir(cfg)
+    except ConfigError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
+
+    if cfg.launcher.name == "local":
+        from hpctrain.launch.local import launch
+
+        return launch(run_dir, cfg.launcher.nproc)
+    print(f"hpctrain: error: launcher={cfg.launcher.name} is not available yet", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

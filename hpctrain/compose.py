@@ -1,0 +1,164 @@
+"""Compose `conf/` with command-line overrides into one typed, resolved config.
+
+Hydra does the composing; this module finds `conf/` (checkout or installed package) and turns
+Hydra's and OmegaConf's errors into messages that name the key and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config that must not start: the message says what is wrong and how to fix it."""
+
+
+def conf_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "conf", here / "conf"):  # checkout, then installed wheel
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise ConfigError(f"cannot find hpctrain's conf/ directory next to {here}; reinstall hpctrain")
+
+
+def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictConfig:
+    """The config `python -m hpctrain <overrides>` would run, typed and resolved."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hpctrain.config import register
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        OmegaConf.resolve(cfg)
+    except Exception as e:  # Hydra wraps OmegaConf errors in several layers; show the root cause.
+        raise ConfigError(explain(e, overrides)) from None
+    unknown = _extra_keys(cfg, _schema_keys(()))
+    if unknown:
+        raise ConfigError(_unknown_key(unknown[0]))
+    if resolve_paths:
+        cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
+    return cfg
+
+
+def load(path: str | os.PathLike) -> DictConfig:
+    """A run directory's resolved config.yaml, typed against the schema again."""
+    from hpctrain.config import Config
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except Exception as e:
+        raise ConfigError(f"{path}: {explain(e, ())}") from None
+
+
+def explain(e: BaseException, overrides: Sequence[str]) -> str:
+    from omegaconf.errors import OmegaConfBaseException
+
+    # Hydra wraps OmegaConf's error, which wraps Python's: the OmegaConf one knows the key.
+    chain, cur = [], e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    omega = [x for x in chain if isinstance(x, OmegaConfBaseException)]
+    keyed = [x for x in omega if getattr(x, "full_key", None)]
+    root = keyed[0] if keyed else (omega[-1] if omega else chain[-1])
+    msg = str(root)
+    full_key = getattr(root, "full_key", None) or _field(msg, "full_key")
+    for ov in overrides:  # the value as the user typed it
+        k, _, v = ov.lstrip("+~").partition("=")
+        if full_key and k == full_key:
+            typed = v
+            break
+    else:
+        typed = None
+    name = type(root).__name__
+
+    if "not in" in msg and ("Key '" in msg) or name == "ConfigKeyError":
+        key = full_key or _quoted(msg)
+        return _unknown_key(key)
+    if name in ("ValidationError", "UnsupportedValueType") and full_key:
+        expected = _expected_type(full_key)
+        value = typed if typed is not None else _quoted(msg)
+        return (f"{full_key}: {value!r} is not a valid {expected}. "
+                f"Fix: give {_article(expected)} {expected}, e.g. {full_key}={_example(expected)}")
+    if "Could not find" in msg or "Could not override" in msg or "Could not load" in msg:
+        return msg.split("Config search path")[0].strip()
+    if "MissingMandatoryValue" in name or "Missing mandatory value" in msg:
+        return f"{full_key} must be set. Fix: add {full_key}=<value> to the command line"
+    return f"{name}: {msg}"
+
+
+def _extra_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys a `+key=value` override added that the schema does not know (Hydra lets `+` through)."""
+    extra = []
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if key not in schema:
+            extra.append(full)
+        elif isinstance(schema[key], DictConfig) and OmegaConf.get_type(schema, key) is not dict:
+            if isinstance(cfg[key], DictConfig) and len(schema[key]) > 0:
+                extra += _extra_keys(cfg[key], schema[key], full + ".")
+    return extra
+
+
+def _field(msg: str, name: str) -> str | None:
+    m = re.search(rf"{name}: (\S+)", msg)
+    return m.group(1) if m else None
+
+
+def _quoted(msg: str) -> str:
+    m = re.search(r"'([^']*)'", msg)
+    return m.group(1) if m else msg
+
+
+def _schema_keys(path: Sequence[str]):
+    from hpctrain.config import Config
+
+    node = OmegaConf.structured(Config)
+    for part in path:
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _unknown_key(key: str) -> str:
+    parts = key.split(".")
+    parent = _schema_keys(parts[:-1])
+    if parent is None or not isinstance(parent, DictConfig):
+        return f"unknown key '{key}'. Run `python -m hpctrain --cfg` to see every key."
+    known = list(parent.keys())
+    near = difflib.get_close_matches(parts[-1], known, n=1)
+    prefix = ".".join(parts[:-1])
+    hint = f" Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
+    return (f"unknown key '{key}'.{hint} Keys of {prefix or 'the config'}: {', '.join(known)}")
+
+
+def _expected_type(key: str) -> str:
+    from hpctrain.config import Config
+
+    node = OmegaConf.structured(Config)
+    parts = key.split(".")
+    try:
+        parent = OmegaConf.select(node, ".".join(parts[:-1])) if len(parts) > 1 else node
+        ref = parent._get_node(parts[-1])
+        t = getattr(ref, "_metadata").ref_type
+        return getattr(t, "__name__", str(t)).replace("Optional[", "").rstrip("]")
+    except Exception:
+        return "value of the right type"
+
+
+def _example(typename: str) -> str:
+    return {"int": "8", "float": "0.001", "bool": "true", "str": "name"}.get(typename, "...")
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

@@ -1,0 +1,176 @@
+"""Typed configuration: the schema Hydra composes `conf/` against.
+
+Every field here is a knob a user can set on the command line (`train.steps=10`). The dataclasses are
+registered in Hydra's ConfigStore as the schema of each group, so an unknown key or a wrong type is
+refused while composing, before any process starts. Checks that span several fields live in
+`hpctrain.check`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    # pp x dp_replicate x dp_shard x tp must equal the world size; -1 for dp_shard means "the rest".
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    # 0 = DDP (replicated), 3 = FSDP2 (parameters, gradients and optimizer state sharded).
+    zero: int = 3
+    # Activation checkpointing: none | full | selective (every `ac_every`-th block).
+    ac: str = "none"
+    ac_every: int = 2
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0 = one per pipeline stage
+    pp_virtual_stages: int = 1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    # auto: fused on CPU and CUDA when every parameter is a plain tensor or DTensor of one kind.
+    impl: str = "auto"
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | shards
+    path: Optional[str] = None  # directory made by `python -m hpctrain.data.prepare`
+    seq_len: int = 64
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    seed: int = 0
+    # fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32.
+    precision: str = "fp32"
+    log_every: int = 1
+    tensorboard: bool = False
+    compile: bool = False
+    threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
+
+
+def _checkpoint_config() -> type:
+    # The user-facing key is `checkpoint.async`, a Python keyword: dataclass() can hold such a field
+    # only without the generated __init__/__repr__/__eq__, which OmegaConf never calls.
+    fields = {
+        "every": (int, 0),  # steps between saves; 0 = only when preempted
+        "keep": (int, 3),  # complete checkpoints kept, newest first
+        "async": (bool, False),  # stage to host memory, write in the background
+        "resume": (bool, True),  # resume from the newest complete checkpoint in run.dir
+        "load_step": (Optional[int], None),  # resume from this step instead of the newest
+    }
+    ns = {"__annotations__": {k: t for k, (t, _) in fields.items()}}
+    ns.update({k: v for k, (_, v) in fields.items()})
+    ns["__doc__"] = "Sharded checkpoints: when to save, how many to keep, where to resume."
+    return dataclass(init=False, repr=False, eq=False)(type("CheckpointConfig", (), ns))
+
+
+CheckpointConfig = _checkpoint_config()
+
+
+@dataclass
+class OffloadConfig:
+    target: str = "none"  # none | cpu | nvme
+    path: Optional[str] = None
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | slurm | sbatch | print
+    nproc: int = 2  # ranks the local launcher starts
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: int = 300  # collective timeout
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    # Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU.
+    peak_tflops: float = 0.1
+    device_mem_gb: float = 16.0
+    host_mem_gb: float = 16.0
+    # Slurm
+    partition: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    mem: Optional[str] = None
+    time: str = "01:00:00"
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    signal_lead_s: int = 120
+    max_requeues: int = 10
+    setup: list = field(default_factory=list)
+    sbatch_extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    dir: str = "outputs/${run.name}"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dry_run: bool = False
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="hpctrain_schema", node=Config)
+
+
+def world_size(cfg: Any) -> int:
+    """Ranks the run needs: what the launcher or cluster section provides."""
+    if cfg.launcher.name == "local":
+        return cfg.launcher.nproc
+    per_node = cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node
+    return cfg.cluster.nodes * per_node

@@ -1,0 +1,47 @@
+"""Which samples each rank reads at each step, and a position that can be saved and restored.
+
+The global stream is a permutation of the dataset per epoch (identity for endless synthetic data).
+Step k consumes samples [k * global_batch, (k + 1) * global_batch) of that stream; data-parallel
+rank r takes the r-th contiguous slice and splits it into micro-batches. The position is a single
+number, samples consumed, so a checkpoint made with one layout resumes on the same stream in another.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class StepSampler:
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 seed: int, shuffle: bool = True):
+        assert global_batch % (dp_size * micro_batch) == 0
+        self.ds, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.n = len(dataset)
+        self.shuffle = shuffle and self.n < 2**40
+        self.position = 0  # samples consumed from the global stream
+        self._perm_epoch, self._perm = -1, None
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def _index(self, k: int) -> int:
+        epoch, j = divmod(k, self.n)
+        if not self.shuffle:
+            return j
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._perm_epoch = epoch
+        return int(self._perm[j])
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for the next optimizer step, as (inputs, targets)."""
+        per_rank = self.global_batch // self.dp_size
+        start = self.position + self.dp_rank * per_rank
+        rows = np.stack([self.ds[self._index(start + i)] for i in range(per_rank)])
+        self.position += self.global_batch
+        t = torch.from_numpy(rows)
+        return [(mb[:, :-1], mb[:, 1:]) for mb in t.split(self.micro_batch)]

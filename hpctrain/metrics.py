@@ -1,0 +1,93 @@
+"""Metrics of rank 0: one JSON object per logged step in metrics.jsonl, optional TensorBoard events,
+and progress for people (an updating line on a terminal, plain lines in a log)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | os.PathLike, total_steps: int, tensorboard: bool = False,
+                 stream: IO[str] | None = None, live: bool | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a", buffering=1)
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        # An updating line only where a person watches a terminal; plain lines elsewhere (logs, CI).
+        self.live = self.stream.isatty() if live is None else live
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self._start = time.monotonic()
+        self._first_step: int | None = None
+
+    def log(self, step: int, **values) -> None:
+        """`step` counts completed optimizer steps (1-based)."""
+        if self._first_step is None:
+            self._first_step = step - 1
+        record = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": time.time()}
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(record[k], (int, float)):
+                    self.tb.add_scalar(f"train/{k}", record[k], step)
+        self._show(step, record)
+
+    def event(self, text: str) -> None:
+        """A one-off message (resumed, saved, preempted) between progress lines."""
+        if self.live:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _show(self, step: int, r: dict) -> None:
+        done = step - self._first_step
+        elapsed = time.monotonic() - self._start
+        eta = elapsed / max(1, done) * (self.total - step)
+        width = 20
+        filled = int(width * step / max(1, self.total))
+        bar = "#" * filled + "-" * (width - filled)
+        line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
+                f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  "
+                f"mem {r['mem_bytes'] / 2**30:.2f} GiB  eta {fmt_duration(eta)}")
+        if self.live:
+            self.stream.write("\r\033[K" + line + ("\n" if step >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

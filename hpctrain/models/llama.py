@@ -1,0 +1,178 @@
+"""A Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU) that knows nothing of parallelism.
+
+Parallelism is applied from outside by small functions in `hpctrain.parallel`, torchtitan-style.
+Blocks live in an `nn.ModuleDict` keyed by index so that a pipeline stage can drop the blocks it
+does not own and keep the same parameter names as the full model (checkpoints stay portable).
+Build on the meta device, shard, then call `init_weights()` to materialize this rank's part.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    vocab_size: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @classmethod
+    def from_config(cls, m, max_seq_len: int) -> "LlamaArgs":
+        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                   ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, norm_eps=m.norm_eps,
+                   rope_theta=m.rope_theta, max_seq_len=max_seq_len,
+                   tie_embeddings=m.tie_embeddings, init_std=m.init_std)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency) pair, stacked: shape (2, seq_len, head_dim // 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()))
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by their position's angle."""
+    seq = x.shape[1]
+    cos = rope[0, :seq].view(1, seq, 1, -1)
+    sin = rope[1, :seq].view(1, seq, 1, -1)
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of the head counts: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleDict({str(i): Block(a) for i in range(a.n_layers)})
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        if a.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from the config, so checkpoints never carry it.
+        self.register_buffer("rope", rope_tables(a.head_dim, a.max_seq_len, a.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Any of these may be None on a pipeline stage that does not own it.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        a = self.args
+        self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=device)
+
+
+@torch.no_grad()
+def init_param_(name: str, t: torch.Tensor, a: LlamaArgs, generator: torch.Generator | None = None) -> None:
+    """Initialize the full (unsharded) parameter `name` in place.
+
+    A function of the name alone, so every layout can reproduce the same initial model by
+    generating each full parameter with a generator seeded from its name and keeping its shard.
+    """
+    leaf = name.rsplit(".", 2)
+    if name.endswith("norm.weight"):
+        nn.init.ones_(t)
+    elif name == "tok_embeddings.weight":
+        nn.init.normal_(t, std=1.0 if not a.tie_embeddings else a.init_std, generator=generator)
+    elif name == "output.weight":
+        std = a.dim ** -0.5
+        nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
+    elif leaf[-2] in ("wo", "w2"):
+        # Residual-branch outputs scaled down with depth (GPT-2 / torchtitan).
+        std = a.init_std / math.sqrt(2 * a.n_layers)
+        nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
+    else:
+        std = a.init_std
+        nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
+
+
+def build_meta(a: LlamaArgs) -> Llama:
+    with torch.device("meta"):
+        return Llama(a)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

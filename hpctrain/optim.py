@@ -1,0 +1,29 @@
+"""AdamW with linear warmup and cosine decay to `min_lr_ratio * lr`."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params, o, total_steps: int):
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]  # norms: decaying them only hurts
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
+            "auto": {"fused": True}}[o.impl]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, o.warmup_steps, total_steps, o.min_lr_ratio))
+    return opt, sched

@@ -1,0 +1,31 @@
+"""Materialize a meta-device model so that every layout starts from the same weights."""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int, init_param_) -> None:
+    """Allocate this rank's shards and fill them from the full parameter each name would have.
+
+    Each full parameter is generated from a generator seeded by (seed, name) and then cut to this
+    rank's shard: the result is independent of how the model is split, at the cost of one full
+    parameter of scratch memory at a time.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(p.shape, dtype=p.dtype, device=device)
+        init_param_(name, full, gen)
+        if isinstance(p, DTensor):
+            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+        else:
+            p.copy_(full)
+    if hasattr(model, "init_buffers"):
+        model.init_buffers(device)

@@ -1,0 +1,72 @@
+"""What every rank runs: `python -m hpctrain.run <run_dir>`.
+
+The run directory's config.yaml is the single source of truth; the launcher (local, srun,
+torchrun, mpiexec) only decides how many of us there are and where rank 0 listens.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from hpctrain.compose import load
+from hpctrain.dist.bootstrap import BootstrapError, detect, init
+from hpctrain.layout import layout_of
+
+log = logging.getLogger("hpctrain")
+
+
+def backend_for(cfg) -> str:
+    if cfg.launcher.backend != "auto":
+        return cfg.launcher.backend
+    if cfg.cluster.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return "nccl"
+    return "gloo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m hpctrain.run <run_dir>", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0]).resolve()
+    cfg = load(run_dir / "config.yaml")
+    de = detect()
+    logging.basicConfig(level=logging.INFO, format=f"[rank {de.rank}] %(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    if de.note:
+        log.warning(de.note)
+    layout = layout_of(cfg, de.world)
+    if layout.world != de.world:
+        log.error("the config's layout (%s) does not match the %d ranks %s started", layout.describe(),
+                  de.world, de.launcher)
+        return 2
+
+    import torch.distributed as dist
+
+    from hpctrain.train import Trainer
+
+    try:
+        device = init(de, backend_for(cfg), cfg.launcher.timeout_s, cfg.train.threads)
+        outcome = Trainer(cfg, str(run_dir), device).fit()
+        if de.rank == 0:
+            log.info("%s at step %d", outcome.status, outcome.step)
+    except BootstrapError as e:
+        log.error("%s", e)
+        return 2
+    except BaseException:  # DCP raises BaseException subclasses; log them all, then fail the rank
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

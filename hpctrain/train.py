@@ -1,0 +1,127 @@
+"""The training loop every rank runs once torch.distributed is up."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain.data import build_dataset
+from hpctrain.data.sampler import StepSampler
+from hpctrain.dist.mesh import build_mesh
+from hpctrain.layout import layout_of
+from hpctrain.metrics import MetricsLogger, peak_rss_bytes
+from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
+from hpctrain.optim import build_optimizer
+from hpctrain.parallel import parallelize
+from hpctrain.plan.flops import train_flops_per_token
+
+log = logging.getLogger("hpctrain")
+
+
+@dataclass
+class Outcome:
+    status: str  # completed | preempted
+    step: int
+    losses: list
+
+
+def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
+    """The global gradient norm over every rank's shard; clips in place when max_norm > 0."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # the sum of squares over all shards
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: str, device: torch.device):
+        self.cfg, self.run_dir, self.device = cfg, run_dir, device
+        self.rank = dist.get_rank()
+        self.layout = layout_of(cfg, dist.get_world_size())
+        self.meshes = build_mesh(self.layout, device.type)
+        self.dp_mesh = self.meshes.dp
+
+        args = LlamaArgs.from_config(cfg.model, max_seq_len=cfg.data.seq_len)
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        model = build_meta(args)
+        init = partial(lambda a, name, t, gen: init_param_(name, t, a, gen), args)
+        self.model = parallelize(model, self.meshes, cfg, device, init)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.train.steps)
+
+        self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
+                                   self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
+        self.step = 0  # optimizer steps completed
+        self.tokens_seen = 0
+        self.autocast = (cfg.train.precision == "bf16" and cfg.parallel.zero == 0)
+
+    def _sync_context(self, last: bool):
+        """Reduce gradients only on the last micro-batch of a step."""
+        m = self.model
+        if hasattr(m, "no_sync"):  # DDP
+            return contextlib.nullcontext() if last else m.no_sync()
+        if hasattr(m, "set_requires_gradient_sync"):  # FSDP2
+            m.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        micro = self.sampler.next_step()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self._sync_context(i == len(micro) - 1), torch.autocast(
+                    self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                logits = self.model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
+                loss.backward()
+            loss_sum += loss.detach()
+        norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
+        # Every data-parallel rank saw different samples: the step's loss is their mean.
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        return loss_sum, norm
+
+    def fit(self) -> Outcome:
+        cfg = self.cfg
+        logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.train.tensorboard) if self.rank == 0 else None
+        losses = []
+        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        peak = cfg.cluster.peak_tflops * 1e12
+        world = dist.get_world_size()
+        try:
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                loss, norm = self.train_step()
+                loss_v, norm_v = loss.item(), float(norm)  # .item() waits for the step to finish
+                dt = time.perf_counter() - t0
+                losses.append(loss_v)
+                if logger and (self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps):
+                    tps = tokens_per_step / dt
+                    logger.log(self.step, loss=loss_v, grad_norm=norm_v, lr=lr, tokens_per_s=tps,
+                               mfu=tps * self.flops_per_token / (peak * world), mem_bytes=self._mem_bytes(),
+                               step_time_s=dt, tokens=self.tokens_seen)
+        finally:
+            if logger:
+                logger.close()
+        return Outcome("completed", self.step, losses)
+
+    def _mem_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
