@@ -1,0 +1,21 @@
+"""Running hpctrain as a user does: the CLI in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*overrides: str, timeout: float = 300, check: bool = True, env: dict | None = None,
+            module: str = "hpctrain") -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **(env or {}))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, "-m", module, *overrides], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"`python -m {module} {' '.join(overrides)}` exited {proc.returncode}\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
