@@ -12,7 +12,7 @@ from hpctrain.compose import ConfigError, compose
 from hpctrain.check import check, launch_problems
 from hpctrain.layout import layout_of
 from hpctrain.plan.flops import param_counts
-from hpctrain.rundir import prepare_run_dir
+from hpctrain.rundir import clear_outcome, prepare_run_dir, read_outcome
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
 
@@ -36,6 +36,18 @@ def summary(cfg) -> str:
             f"run dir: {cfg.run.dir}")
 
 
+def refuse_overwrite(cfg) -> None:
+    from pathlib import Path
+
+    from hpctrain.checkpoint.store import list_complete
+
+    existing = list_complete(Path(cfg.run.dir) / "checkpoints")
+    if existing and not cfg.checkpoint.resume:
+        raise ConfigError(f"{cfg.run.dir} already holds checkpoints (newest step {existing[-1][0]}) and "
+                          "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
+                          "or drop checkpoint.resume=false to continue that run")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -56,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = launch_problems(cfg)
         if problems:
             raise ConfigError("cannot start this run:\n" + "\n".join(f"  - {p}" for p in problems))
+        refuse_overwrite(cfg)
         run_dir = prepare_run_dir(cfg)
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
@@ -64,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.launcher.name == "local":
         from hpctrain.launch.local import launch
 
-        return launch(run_dir, cfg.launcher.nproc)
+        clear_outcome(run_dir)
+        rc = launch(run_dir, cfg.launcher.nproc)
+        outcome = read_outcome(run_dir)
+        if rc == 0 and outcome and outcome.get("status") == "preempted":
+            print(f"hpctrain: stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
+                  "run the same command again to resume", file=sys.stderr)
+        return rc
     print(f"hpctrain: error: launcher={cfg.launcher.name} is not available yet", file=sys.stderr)
     return 2
 

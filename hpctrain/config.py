@@ -89,6 +89,7 @@ def _checkpoint_config() -> type:
         "async": (bool, False),  # stage to host memory, write in the background
         "resume": (bool, True),  # resume from the newest complete checkpoint in run.dir
         "load_step": (Optional[int], None),  # resume from this step instead of the newest
+        "threads": (int, 4),  # writer threads per rank: one is far from the disk's bandwidth
     }
     ns = {"__annotations__": {k: t for k, (t, _) in fields.items()}}
     ns.update({k: v for k, (_, v) in fields.items()})
@@ -121,6 +122,22 @@ class ClusterConfig:
     peak_tflops: float = 0.1
     device_mem_gb: float = 16.0
     host_mem_gb: float = 16.0
+    # What the planner (hpctrain.plan) prices a step with. Defaults describe this CPU VM (DESIGN.md
+    # section 4); conf/cluster/{a100,h100,h200}.yaml give datacenter figures. GB = 1e9 bytes except
+    # the *_mem_gb capacities, which are GiB as nvidia-smi and free report them.
+    hbm_gbps: float = 30.0  # device memory bandwidth (elementwise kernels, optimizer step)
+    matmul_efficiency: float = 0.5  # fraction of peak_tflops a large GEMM sustains
+    attention_efficiency: float = 0.3  # fused attention: fraction of peak on the FLOPs it performs
+    intra_node_gbps: float = 5.0  # collective bus bandwidth (nccl-tests busbw) inside a node
+    intra_node_latency_us: float = 50.0  # per collective step inside a node
+    inter_node_gbps: float = 1.2  # bus bandwidth one NIC sustains between nodes
+    inter_node_latency_us: float = 100.0  # per collective step across nodes
+    nics_per_node: int = 1
+    pcie_gbps: float = 30.0  # host <-> device copies per rank (offload)
+    nvme_gbps: float = 0.6  # NVMe read or write per node (offload.target=nvme)
+    nvme_gb: float = 0.0  # NVMe capacity per node for offloaded state; 0 = none
+    host_adam_gparams: float = 0.3  # host optimizer updates per node, billions of parameters/s
+    runtime_reserve_gb: float = 0.0  # per rank: CUDA context, NCCL and cuBLAS buffers, fragmentation
     # Slurm
     partition: Optional[str] = None
     nodes: int = 1

@@ -14,6 +14,7 @@ from pathlib import Path
 from hpctrain.compose import load
 from hpctrain.dist.bootstrap import BootstrapError, detect, init
 from hpctrain.layout import layout_of
+from hpctrain.preempt import Preemption
 
 log = logging.getLogger("hpctrain")
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m hpctrain.run <run_dir>", file=sys.stderr)
         return 2
+    # First thing: a preemption signal may come while torch is still importing (seconds).
+    preemption = Preemption().install()
     run_dir = Path(argv[0]).resolve()
     cfg = load(run_dir / "config.yaml")
     de = detect()
@@ -49,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
     from hpctrain.train import Trainer
 
     try:
         device = init(de, backend_for(cfg), cfg.launcher.timeout_s, cfg.train.threads)
-        outcome = Trainer(cfg, str(run_dir), device).fit()
+        outcome = Trainer(cfg, str(run_dir), device).fit(preemption)
         if de.rank == 0:
             log.info("%s at step %d", outcome.status, outcome.step)
-    except BootstrapError as e:
+    except (BootstrapError, NoUsableCheckpoint, SaveFailed) as e:
         log.error("%s", e)
         return 2
     except BaseException:  # DCP raises BaseException subclasses; log them all, then fail the rank

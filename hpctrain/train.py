@@ -11,6 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from omegaconf import OmegaConf
+
+from hpctrain.checkpoint.manager import CheckpointManager, NoUsableCheckpoint
+from hpctrain.checkpoint.store import list_complete
 from hpctrain.data import build_dataset
 from hpctrain.data.sampler import StepSampler
 from hpctrain.dist.mesh import build_mesh
@@ -20,6 +24,8 @@ from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 from hpctrain.optim import build_optimizer
 from hpctrain.parallel import parallelize
 from hpctrain.plan.flops import train_flops_per_token
+from hpctrain.preempt import Preemption
+from hpctrain.rundir import write_atomic, write_outcome
 
 log = logging.getLogger("hpctrain")
 
@@ -29,6 +35,7 @@ class Outcome:
     status: str  # completed | preempted
     step: int
     losses: list
+    checkpoint: str | None = None
 
 
 def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
@@ -65,6 +72,40 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.tokens_seen = 0
         self.autocast = (cfg.train.precision == "bf16" and cfg.parallel.zero == 0)
+        self.ckpt = CheckpointManager(run_dir, cfg, OmegaConf.to_container(cfg, resolve=True))
+        self.resumed_from: int | None = None
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _extra_state(self) -> dict:
+        return {"tokens_seen": self.tokens_seen, "data": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "layout": self.layout.__dict__}
+
+    def save(self, blocking: bool = True) -> None:
+        self.ckpt.save(self.step, self.model, self.optimizer, self._extra_state(), blocking=blocking)
+
+    def resume(self, warn) -> None:
+        """Continue from the newest complete checkpoint in the run directory, if there is one."""
+        if not self.cfg.checkpoint.resume:
+            existing = list_complete(self.ckpt.root)
+            if existing:
+                raise NoUsableCheckpoint(
+                    f"{self.ckpt.root} already holds checkpoints (newest step {existing[-1][0]}) and "
+                    "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
+                    "or drop checkpoint.resume=false to continue that run")
+            return
+        info = self.ckpt.load_latest(self.model, self.optimizer, warn)
+        if info is None:
+            return
+        self.step = info["step"]
+        self.tokens_seen = info["tokens_seen"]
+        self.sampler.load_state_dict(info["data"])
+        self.scheduler.load_state_dict(info["scheduler"])
+        # The scheduler's state holds the LR; the optimizer's groups still hold the initial one.
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.resumed_from = self.step
+        self.ckpt.last_saved = self.step
 
     def _sync_context(self, last: bool):
         """Reduce gradients only on the last micro-batch of a step."""
@@ -96,13 +137,23 @@ class Trainer:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return loss_sum, norm
 
-    def fit(self) -> Outcome:
+    def fit(self, preemption: Preemption | None = None) -> Outcome:
         cfg = self.cfg
-        logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.train.tensorboard) if self.rank == 0 else None
+        warn = log.warning
+        self.resume(warn)
+        logger = None
+        if self.rank == 0:
+            truncate_metrics(self.run_dir, self.step)
+            logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.train.tensorboard)
+            if self.resumed_from is not None:
+                logger.event(f"resumed from checkpoint step {self.resumed_from}")
         losses = []
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         peak = cfg.cluster.peak_tflops * 1e12
         world = dist.get_world_size()
+        every = cfg.checkpoint.every
+        preemption = preemption or Preemption().install()
+        status = "completed"
         try:
             while self.step < cfg.train.steps:
                 t0 = time.perf_counter()
@@ -116,12 +167,44 @@ class Trainer:
                     logger.log(self.step, loss=loss_v, grad_norm=norm_v, lr=lr, tokens_per_s=tps,
                                mfu=tps * self.flops_per_token / (peak * world), mem_bytes=self._mem_bytes(),
                                step_time_s=dt, tokens=self.tokens_seen)
+                if preemption.agreed(self.device if self.device.type == "cuda" else None):
+                    status = "preempted"
+                    if logger:
+                        logger.event(f"{preemption.requested_by or 'a signal to another rank'}: saving step "
+                                     f"{self.step} on every rank, then stopping")
+                    self.save(blocking=True)
+                    break
+                if every and self.step % every == 0 and self.step < cfg.train.steps:
+                    self.save(blocking=not cfg.checkpoint["async"])
+            if status == "completed" and every and self.ckpt.last_saved != self.step:
+                self.save(blocking=True)  # the end of a run is always kept
+            self.ckpt.wait()
         finally:
+            preemption.uninstall()
             if logger:
                 logger.close()
-        return Outcome("completed", self.step, losses)
+        saved = self.ckpt.last_saved
+        outcome = Outcome(status, self.step, losses,
+                          str(self.ckpt.root / f"step-{saved:08d}") if saved is not None else None)
+        if self.rank == 0:
+            write_outcome(self.run_dir, outcome.__dict__ | {"losses": None})
+        return outcome
 
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_rss_bytes()
+
+
+def truncate_metrics(run_dir: str, step: int) -> None:
+    """Forget logged steps after the one we resume from: they are about to be trained again, and
+    metrics.jsonl keeps one record per step of the run as it finally happened."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    write_atomic(path, "".join(line + "\n" for line in keep))

@@ -62,8 +62,9 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
         if r > 0:
             out = open(logs / f"rank-{r}.log", "ab")
             files.append(out)
+        # A session of their own: a terminal's Ctrl-C reaches the launcher once, which passes it on.
         procs.append(subprocess.Popen(cmd, env=rank_env(r, nproc, port), stdout=out,
-                                      stderr=subprocess.STDOUT if out else None))
+                                      stderr=subprocess.STDOUT if out else None, start_new_session=True))
 
     def forward(signum, _frame):
         for p in procs:
@@ -101,9 +102,10 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    # SIGKILL, not SIGTERM: SIGTERM asks ranks for a collective save, which a dead peer would hang.
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            p.kill()
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

@@ -1,0 +1,1 @@
+"""Sharded checkpoints that are complete or absent, automatic resume, resharding, export."""

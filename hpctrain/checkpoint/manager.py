@@ -1,0 +1,235 @@
+"""Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
+
+Tensors (model and optimizer state, sharded as they live on the ranks) go through DCP, which
+reshards on load. Everything else is JSON, never a pickle: `hpctrain.json` (step, tokens, data
+position, LR schedule, config) from rank 0 and `rng/rank-NNNNN.json` from every rank.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpctrain.checkpoint import rng, store
+from hpctrain.faults import wrap_writer
+from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
+                                      check_shapes, read_metadata)
+
+log = logging.getLogger("hpctrain")
+
+
+class NoUsableCheckpoint(RuntimeError):
+    pass
+
+
+class SaveFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Pending:
+    future: Any
+    tmp: Path
+    step: int
+    info: dict
+    started: float
+
+
+def tensor_state(model, optimizer) -> tuple[dict, list]:
+    """What DCP saves and loads: {"model": ..., "optim": ...}, plus the optimizer's param groups
+    (hyperparameters, which come from the config and stay out of the checkpoint)."""
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd["state"]}, osd["param_groups"]
+
+
+def expected_shapes(state: dict) -> dict[str, tuple]:
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(node, torch.Tensor):
+            out[prefix] = tuple(node.shape)  # a DTensor reports its global shape
+
+    walk("", state)
+    return out
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, cfg, config_dict: dict):
+        self.root = Path(run_dir) / "checkpoints"
+        self.cfg = cfg.checkpoint
+        self.config_dict = config_dict
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.pending: Optional[Pending] = None
+        self._pg = None  # async saves run their collectives on a group of their own
+        self.last_saved: Optional[int] = None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self.saves: list[dict] = []  # timings, for benchmarks and logs
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, step: int, model, optimizer, extra: dict, blocking: bool = True) -> None:
+        """All ranks call this together. `extra` is JSON: step, tokens, data position, schedule."""
+        self.wait()
+        t0 = time.perf_counter()
+        nonce = self._agree_on_nonce()
+        tmp = store.tmp_dir(self.root, step, nonce)
+        if self.rank == 0:
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        rng.save(tmp, self.rank)
+        state, _ = tensor_state(model, optimizer)
+        info = {"step": step, "world_size": self.world, "time": time.time(), **extra,
+                "config": self.config_dict, "torch": torch.__version__}
+        writer = wrap_writer(dcp.FileSystemWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
+        if blocking:
+            try:
+                dcp.save(state, storage_writer=writer)
+            except BaseException as e:  # CheckpointException is a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                self._abandon(tmp, step, e)
+            self._commit(Pending(None, tmp, step, info, t0), t0)
+            return
+        if self._pg is None:
+            self._pg = dist.new_group(backend="gloo")
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
+        self.pending = Pending(future, tmp, step, info, t0)
+        self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (a new save and the end of a run both wait)."""
+        if self.pending is None:
+            return
+        p, self.pending = self.pending, None
+        try:
+            p.future.result()
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            self._abandon(p.tmp, p.step, e)
+        self._commit(p, None)
+
+    def _abandon(self, tmp: Path, step: int, error: BaseException) -> None:
+        """A save failed on some rank (full disk, I/O error): drop its pieces, keep the last good one."""
+        import shutil
+
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        good = store.list_complete(self.root)
+        kept = f"the newest complete checkpoint, {good[-1][1]}, is intact" if good else "there is no earlier checkpoint"
+        raise SaveFailed(f"saving the checkpoint of step {step} failed: {_root_cause(error)}; {kept}") from None
+
+    def _commit(self, p: Pending, t0: Optional[float]) -> None:
+        # DCP returns on every rank only after the coordinator wrote .metadata: everything is on disk.
+        if self.rank == 0:
+            final = store.commit(p.tmp, self.root, p.step, p.info)
+            store.retain(self.root, self.cfg.keep, protect=final)
+        if p.future is None:
+            dist.barrier()  # nobody reads the checkpoint before it is visible
+            self.saves.append({"step": p.step, "blocked_s": time.perf_counter() - t0, "async": False})
+        self.last_saved = p.step
+        log.info("checkpoint step %d saved (%.2f s)", p.step, time.perf_counter() - p.started)
+
+    def _agree_on_nonce(self) -> str:
+        t = torch.tensor([secrets.randbits(31) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return f"{int(t):08x}"
+
+    # --------------------------------------------------------------- loading
+
+    def candidates(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints to try, newest first (or only the one checkpoint.load_step names)."""
+        complete = store.list_complete(self.root)
+        if self.cfg.load_step is not None:
+            chosen = [(s, p) for s, p in complete if s == self.cfg.load_step]
+            if not chosen:
+                have = ", ".join(str(s) for s, _ in complete) or "none"
+                raise NoUsableCheckpoint(f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
+                                         f"of that step in {self.root} (complete steps: {have})")
+            return chosen
+        return complete[::-1]
+
+    def load_latest(self, model, optimizer, on_warning: Callable[[str], None]) -> Optional[dict]:
+        """Load the newest usable checkpoint into model and optimizer; returns its info, or None
+        when the run directory holds none. Damaged ones are skipped with a warning naming the fault."""
+        for path in store.list_incomplete(self.root):
+            on_warning(f"ignoring {path}: it is not a complete checkpoint (no {store.DCP_METADATA} or "
+                       f"{store.INFO}; a save was interrupted, or files were removed)")
+        cands = self.candidates()
+        if not cands:
+            return None
+        state, groups = tensor_state(model, optimizer)
+        wanted = expected_shapes(state)
+        problems = []
+        for step, path in cands:
+            verdict = self._verify(path, wanted)
+            if verdict is None:
+                try:
+                    dcp.load(state, storage_reader=SafeReader(str(path)), planner=TensorOnlyLoadPlanner())
+                except BaseException as e:  # DCP's CheckpointException is a BaseException
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    verdict = f"loading failed: {_first_line(e)}"
+            if verdict is None:
+                set_state_dict(model, optimizer, model_state_dict=state["model"],
+                               optim_state_dict={"state": state["optim"], "param_groups": groups})
+                info = store.read_info(path)
+                rng.load(path, self.rank, info.get("world_size") == self.world)
+                if problems:
+                    on_warning(f"resumed from the older checkpoint {path.name} instead")
+                return info
+            msg = f"checkpoint {path} is unusable: {verdict}"
+            problems.append(msg)
+            on_warning(msg + ("; trying an older one" if (step, path) != cands[-1] else ""))
+        raise NoUsableCheckpoint("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(problems)
+                                 + "\nFix: delete the damaged checkpoints to start afresh, or point "
+                                   "checkpoint.load_step at a good one")
+
+    def _verify(self, path: Path, wanted: dict) -> Optional[str]:
+        """Rank 0 checks the files; everyone gets its verdict (the same on every rank)."""
+        verdict = [None]
+        if self.rank == 0:
+            try:
+                md = read_metadata(path)
+                check_files(path, md)
+                check_shapes(md, wanted)
+                store.read_info(path)
+            except DamagedCheckpoint as e:
+                verdict = [str(e)]
+            except (OSError, ValueError) as e:
+                verdict = [f"{store.INFO} unreadable ({e})"]
+        dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
+
+def _root_cause(e: BaseException) -> str:
+    """DCP wraps each rank's exception; the OSError inside says what actually happened."""
+    seen, stack = set(), [e]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            return f"{cur.strerror or cur} ({getattr(cur, 'filename', '') or 'write'})"
+        stack.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
+        for failure in (getattr(cur, "failures", None) or {}).values():
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+    return _first_line(e)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,107 @@
+"""Checkpoint directories on disk: naming, the commit that makes one visible, discovery, retention.
+
+A checkpoint is complete or absent. Ranks write into `.tmp-step-NNNNNNNN-<nonce>/`; only after every
+rank finished and DCP wrote `.metadata`, rank 0 writes `hpctrain.json` and renames the directory to
+`step-NNNNNNNN/`. Discovery lists only such directories; a torn save stays a `.tmp-*` that the next
+save of the run sweeps away. No torch here: the login node uses it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+TMP_PREFIX = ".tmp-step-"
+INFO = "hpctrain.json"
+DCP_METADATA = ".metadata"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def tmp_dir(root: Path, step: int, nonce: str) -> Path:
+    return root / f"{TMP_PREFIX}{step:08d}-{nonce}"
+
+
+def is_complete(path: Path) -> bool:
+    return (STEP_RE.match(path.name) is not None and (path / DCP_METADATA).is_file()
+            and (path / INFO).is_file())
+
+
+def list_complete(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def list_incomplete(root: str | os.PathLike) -> list[Path]:
+    """`step-*` directories that lack their metadata: damaged after the commit, never loaded."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and p.is_dir() and not is_complete(p))
+
+
+def read_info(path: Path) -> dict:
+    return json.loads((path / INFO).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(tmp: Path, root: Path, step: int, info: dict) -> Path:
+    """Make a fully written checkpoint visible. Called by one rank after all ranks finished."""
+    write_json_durable(tmp / INFO, info)
+    _fsync_dir(tmp)
+    final = root / step_name(step)
+    if final.exists():
+        # The same step saved again (a preemption right after a periodic save): keep the new one.
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def retain(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints and every leftover temporary dir.
+
+    `protect` (the checkpoint just committed) is never deleted, whatever `keep` says.
+    """
+    removed = []
+    complete = list_complete(root)
+    for _, path in complete[:-keep] if keep > 0 else []:
+        if protect is not None and path.resolve() == protect.resolve():
+            continue
+        # Rename first: a crash mid-delete must not leave a half-deleted dir that looks complete.
+        doomed = path.with_name(f".del-{path.name}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    for p in root.iterdir():
+        if p.name.startswith((TMP_PREFIX, ".del-")) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
