@@ -115,12 +115,15 @@ def _model(cfg):
     if min(m.dim, m.n_heads, m.n_kv_heads) < 1:
         return
     if m.dim % m.n_heads:
-        yield f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}"
+        yield (f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. "
+               f"Fix: choose model.n_heads among {_divisors(m.dim)}")
     elif (m.dim // m.n_heads) % 2:
-        yield f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary embeddings"
+        yield (f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary embeddings. "
+               "Fix: change model.dim or model.n_heads")
     if m.n_heads % m.n_kv_heads:
         yield (f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads} "
-               "(grouped-query attention shares each KV head among a whole number of query heads)")
+               "(grouped-query attention shares each KV head among a whole number of query heads). "
+               f"Fix: choose model.n_kv_heads among {_divisors(m.n_heads)}")
     tp = cfg.parallel.tp
     if tp >= 1:
         for key in ("n_heads", "n_kv_heads"):

@@ -91,6 +91,11 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
                 f"Fix: give {_article(expected)} {expected}, e.g. {full_key}={_example(expected)}")
     if "Could not find" in msg or "Could not override" in msg or "Could not load" in msg:
         return msg.split("Config search path")[0].strip()
+    if name in ("LexerNoViableAltException", "OverrideParseException") or "missing EQUAL" in msg \
+            or "no viable alternative" in msg or "mismatched input" in msg:
+        bad = next((o for o in overrides if "=" not in o or any(c in o for c in "~$'\"")), None)
+        return (f"cannot parse the override {bad!r}: write key=value, and quote a value holding special "
+                "characters, e.g. \"run.dir='~/runs/a'\"") if bad else f"cannot parse the overrides: {msg}"
     if "MissingMandatoryValue" in name or "Missing mandatory value" in msg:
         return f"{full_key} must be set. Fix: add {full_key}=<value> to the command line"
     return f"{name}: {msg}"

@@ -10,7 +10,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based)."""
     if step < warmup:
         return (step + 1) / warmup
-    span = max(1, total - warmup)
+    span = max(1, total - 1 - warmup)  # the last step (total - 1) runs at the floor
     progress = min(1.0, (step - warmup) / span)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

@@ -3,7 +3,8 @@
 Parallelism is applied from outside by small functions in `hpctrain.parallel`, torchtitan-style.
 Blocks live in an `nn.ModuleDict` keyed by index so that a pipeline stage can drop the blocks it
 does not own and keep the same parameter names as the full model (checkpoints stay portable).
-Build on the meta device, shard, then call `init_weights()` to materialize this rank's part.
+Build on the meta device, shard, then materialize this rank's part with `init_param_` for each
+parameter (hpctrain.parallel.init.materialize does so for any layout).
 """
 from __future__ import annotations
 

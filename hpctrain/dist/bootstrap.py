@@ -1,0 +1,142 @@
+"""Which launcher started this process, and torch.distributed brought up from what it tells us.
+
+`detect(env)` is pure: it reads a mapping of environment variables and returns a `DistEnv`.
+`init(dist_env, ...)` performs the side effects (process group, device, threads).
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Optional
+
+from hpctrain.dist import hostlist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    launcher: str  # local | torchrun | slurm | mpi | single
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    note: str = ""
+
+
+class BootstrapError(RuntimeError):
+    pass
+
+
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def detect(env: Mapping[str, str] = os.environ) -> DistEnv:
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else env.get("HPCTRAIN_LAUNCHER", "local")
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(launcher, int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])),
+                       int(env.get("LOCAL_WORLD_SIZE", world)), env.get("MASTER_ADDR", "127.0.0.1"),
+                       int(env.get("MASTER_PORT", 29500)))
+    # MPI before Slurm: mpirun inside an allocation starts its ranks from srun-launched daemons
+    # whose SLURM_PROCID/SLURM_NTASKS count nodes, not ranks.
+    for var in MPI_RANK_VARS:
+        if var in env:
+            return _mpi(env)
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _slurm(env)
+    if "SLURM_JOB_ID" in env:
+        # The batch script body: Slurm sets SLURM_PROCID=0 and SLURM_NTASKS=N here, but this is one
+        # process outside any job step, not rank 0 of N.
+        return DistEnv("single", 0, 1, 0, 1, None, None,
+                       note="inside a Slurm batch script but outside srun: running as a single process")
+    return DistEnv("single", 0, 1, 0, 1, None, None)
+
+
+def _slurm(env: Mapping[str, str]) -> DistEnv:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise BootstrapError("srun started this process but SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is unset")
+    world = int(env["SLURM_NTASKS"])
+    local_world = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "1")
+    return DistEnv("slurm", int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), local_world,
+                   env.get("MASTER_ADDR") or hostlist.first(nodelist),
+                   int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))))
+
+
+def slurm_port(job_id: str) -> int:
+    """A port that differs between jobs sharing a node and stays fixed across a job's requeues."""
+    return 20000 + zlib.crc32(job_id.encode()) % 20000
+
+
+def _first_int(tasks_per_node: str) -> int:
+    # Forms: "4", "2(x3)", "4(x2),2".
+    head = tasks_per_node.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else 1
+
+
+def _mpi(env: Mapping[str, str]) -> DistEnv:
+    if "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+        local, local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    elif "PMIX_RANK" in env:
+        rank, world = int(env["PMIX_RANK"]), int(env.get("PMIX_SIZE", env.get("OMPI_COMM_WORLD_SIZE", 1)))
+        local, local_world = int(env.get("PMIX_LOCAL_RANK", 0)), int(env.get("PMIX_LOCAL_SIZE", 1))
+    else:
+        rank, world = int(env["PMI_RANK"]), int(env.get("PMI_SIZE", 1))
+        local, local_world = int(env.get("MPI_LOCALRANKID", 0)), int(env.get("MPI_LOCALNRANKS", 1))
+    # The address and port come from rank 0 over MPI itself (see init).
+    return DistEnv("mpi", rank, world, local, local_world, None, None)
+
+
+def init(de: DistEnv, backend: str = "gloo", timeout_s: int = 300, threads: int = 0):
+    """Start the default process group; returns the torch device this rank computes on."""
+    import torch
+    import torch.distributed as dist
+
+    if threads <= 0:
+        threads = max(1, (os.cpu_count() or 1) // max(1, de.local_world))
+    torch.set_num_threads(threads)  # MPI launchers leave torch at one thread
+
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", de.local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+
+    timeout = timedelta(seconds=timeout_s)
+    if de.launcher == "mpi":
+        store = _mpi_store(de, timeout)
+        dist.init_process_group(backend, store=store, rank=de.rank, world_size=de.world, timeout=timeout)
+    elif de.world == 1 and de.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{de.master_addr}:{de.master_port}",
+                                rank=de.rank, world_size=de.world, timeout=timeout)
+    return device
+
+
+def _mpi_store(de: DistEnv, timeout: timedelta):
+    """Rank 0 opens a TCPStore on a free port and tells everyone where it is over MPI."""
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI  # imported only here: importing it initializes MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != de.world:
+        raise BootstrapError(
+            f"MPI reports {comm.Get_size()} ranks but the launcher environment says {de.world}: the MPI "
+            "library does not match the launcher (e.g. Open MPI under `srun --mpi=pmi2`). Use mpiexec of the "
+            "same MPI, or MPICH with srun --mpi=pmi2")
+    store = None
+    if de.rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, de.world, True, timeout=timeout, wait_for_workers=False)
+        addr = (socket.gethostname(), store.port)
+    else:
+        addr = None
+    host, port = comm.bcast(addr, root=0)
+    if de.rank != 0:
+        store = dist.TCPStore(host, port, de.world, False, timeout=timeout)
+    return store

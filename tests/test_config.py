@@ -1,0 +1,195 @@
+"""Composing the config and refusing the ones that cannot run, in process and through the CLI."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpctrain.check import check
+from hpctrain.compose import ConfigError, compose
+from hpctrain.data.prepare import prepare
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = "+experiment=tiny"
+
+
+def refusal(*overrides: str) -> str:
+    """The message a config is refused with (while composing or checking)."""
+    with pytest.raises(ConfigError) as info:
+        check(compose([TINY, *overrides]))
+    return str(info.value)
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_mentions(msg: str, *parts: str) -> None:
+    for part in parts:
+        assert part in msg, f"{part!r} not in message:\n{msg}"
+
+
+# --- the documented interface -------------------------------------------------------------------
+
+
+def test_tiny_experiment_composes_with_documented_keys():
+    cfg = compose([TINY])
+    check(cfg)
+    assert cfg.model.name == "tiny"
+    assert cfg.train.steps == 60
+    assert cfg.launcher.name == "local" and cfg.launcher.nproc == 2
+    assert os.path.isabs(cfg.run.dir) and cfg.run.dir.endswith(os.path.join("outputs", "tiny"))
+    p = cfg.parallel
+    assert (p.dp_shard, p.dp_replicate, p.tp, p.pp) == (-1, 1, 1, 1)
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.keep == 3
+    assert cfg.checkpoint["async"] is False
+    assert cfg.dry_run is False
+
+
+def test_documented_keys_can_be_overridden(tmp_path):
+    cfg = compose([TINY, "train.steps=7", f"run.dir={tmp_path / 'r'}", "launcher.nproc=4",
+                   "parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.tp=1", "parallel.pp=1",
+                   "train.micro_batch=4", "checkpoint.every=5", "checkpoint.keep=1",
+                   "checkpoint.async=true", "dry_run=true"])
+    check(cfg)
+    assert cfg.train.steps == 7 and cfg.run.dir == str(tmp_path / "r")
+    assert cfg.launcher.nproc == 4
+    assert (cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (2, 2)
+    assert cfg.checkpoint.every == 5 and cfg.checkpoint.keep == 1
+    assert cfg.checkpoint["async"] is True and cfg.dry_run is True
+
+
+def test_relative_run_dir_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose([TINY, "run.dir=some/where"])
+    assert cfg.run.dir == str(tmp_path / "some" / "where")
+
+
+def test_model_group_option():
+    cfg = compose([TINY, "model=70b"])
+    check(cfg)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads) == (8192, 80, 64, 8)
+
+
+def test_free_form_dicts_accept_new_keys():
+    cfg = compose([TINY, "+cluster.env.NCCL_DEBUG=INFO", "+cluster.sbatch_extra.reservation=r1"])
+    assert cfg.cluster.env.NCCL_DEBUG == "INFO"
+    assert cfg.cluster.sbatch_extra.reservation == "r1"
+
+
+# --- refused configs: each message names the key and the fix -----------------------------------
+
+# (overrides, substrings the message must contain)
+REFUSED = {
+    "unknown-key": (("train.stepz=1",), ("train.stepz", "Did you mean 'train.steps'")),
+    "unknown-key-keyword": (("checkpoint.asnyc=true",), ("checkpoint.asnyc", "Did you mean 'checkpoint.async'")),
+    "unknown-top-level-key": (("dryrun=true",), ("'dryrun'", "Did you mean 'dry_run'")),
+    "unknown-key-added": (("+train.foo=1",), ("unknown key 'train.foo'", "Keys of train:", "steps")),
+    "wrong-type-int": (("train.steps=abc",), ("train.steps", "'abc'", "int", "train.steps=8")),
+    "wrong-type-bool": (("checkpoint.async=maybe",), ("checkpoint.async", "'maybe'", "bool", "checkpoint.async=true")),
+    "unknown-group-option": (("model=foo",), ("model/foo", "1b", "8b", "70b", "405b", "small", "tiny")),
+    "product-not-world": (("launcher.nproc=3", "parallel.dp_shard=2"),
+                          ("dp_shard=2", "launcher.nproc=3", "3 ranks", "Fix: set parallel.dp_shard=-1")),
+    "rest-not-divisible-pp": (("launcher.nproc=3", "parallel.pp=2"),
+                              ("parallel.pp=2", "does not divide the 3 ranks", "launcher.nproc=3", "Fix:")),
+    "rest-not-divisible-replicate": (("launcher.nproc=3", "parallel.dp_replicate=2"),
+                                     ("parallel.dp_replicate=2", "does not divide the 3 ranks", "Fix:")),
+    "heads-not-divisible-by-tp": (("parallel.tp=3", "launcher.nproc=3"),
+                                  ("model.n_heads=4", "parallel.tp=3", "Fix: choose parallel.tp among 1, 2, 4")),
+    "heads-not-divisible-by-kv-heads": (("model.n_kv_heads=3",),
+                                        ("model.n_heads=4", "model.n_kv_heads=3", "not divisible")),
+    "global-batch": (("train.global_batch=10",),
+                     ("train.global_batch=10", "train.micro_batch=8", "Fix: train.global_batch=16")),
+    "shards-without-path": (("data=shards",), ("data.path", "python -m hpctrain.data.prepare", "data.path=<out dir>")),
+    "shards-missing-dir": (("data=shards", "data.path=/nonexistent/hpctrain-shards"),
+                           ("data.path=/nonexistent/hpctrain-shards", "Fix:", "hpctrain.data.prepare")),
+    "bad-choice": (("train.precision=fp8",), ("train.precision=fp8", "fp32, bf16", "Fix: train.precision=fp32")),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_message_names_key_and_fix(case):
+    overrides, expected = REFUSED[case]
+    assert_mentions(refusal(*overrides), *expected)
+
+
+def test_all_problems_reported_at_once():
+    msg = refusal("train.precision=fp8", "train.global_batch=10", "parallel.zero=2")
+    assert_mentions(msg, "3 problems", "train.precision", "train.global_batch", "parallel.zero")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (("parallel.dp_shard=0",), "parallel.dp_shard=0"),
+    (("train.steps=0",), "train.steps=0 must be at least 1"),
+    (("optim.min_lr_ratio=2",), "optim.min_lr_ratio"),
+    (("model.dim=130",), "model.dim=130 is not divisible by model.n_heads=4"),
+])
+def test_range_checks(overrides, expected):
+    assert expected in refusal(*overrides)
+
+
+def test_shards_dir_without_meta(tmp_path):
+    assert_mentions(refusal("data=shards", f"data.path={tmp_path}"), f"data.path={tmp_path}", "meta.json")
+
+
+def test_shards_vocab_larger_than_model(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello world " * 50)
+    prepare(tmp_path / "src", tmp_path / "out")
+    msg = refusal("data=shards", f"data.path={tmp_path / 'out'}", "model.vocab_size=128", "data.seq_len=16")
+    assert_mentions(msg, "model.vocab_size=128", "Fix: model.vocab_size=256")
+    # The same shards with a large enough vocabulary pass.
+    check(compose([TINY, "data=shards", f"data.path={tmp_path / 'out'}", "data.seq_len=16"]))
+
+
+# --- through the CLI, as a user runs it ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["unknown-key", "unknown-key-added", "wrong-type-int", "wrong-type-bool",
+                                  "unknown-group-option", "product-not-world", "heads-not-divisible-by-tp",
+                                  "global-batch", "shards-without-path", "bad-choice"])
+def test_cli_refuses_with_exit_2_and_no_traceback(case, tmp_path):
+    overrides, expected = REFUSED[case]
+    proc = cli(TINY, *overrides, f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("hpctrain: error: ")
+    assert_mentions(proc.stderr, *expected)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_dry_run_prints_summary_and_creates_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli(TINY, "dry_run=true", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert_mentions(proc.stdout, "model tiny", "459,392", "dp_shard 2", "= 2 ranks",
+                    "16 sequences x 64 tokens", "60 steps", f"run dir: {run_dir}", "dry run")
+    assert not run_dir.exists()
+
+
+def test_cli_dry_run_plans_70b_on_the_login_node(tmp_path):
+    proc = cli(TINY, "model=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "70,553,706,496" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_cfg_prints_yaml():
+    proc = cli(TINY, "train.steps=7", "--cfg")
+    assert proc.returncode == 0, proc.stderr
+    doc = yaml.safe_load(proc.stdout)
+    assert doc["train"]["steps"] == 7
+    assert doc["launcher"]["nproc"] == 2
+    assert doc["checkpoint"]["async"] is False
+    assert {"model", "parallel", "optim", "data", "train", "checkpoint", "launcher", "run", "dry_run"} <= set(doc)
+
+
+def test_cli_help():
+    proc = cli("--help")
+    assert proc.returncode == 0 and "usage: python -m hpctrain" in proc.stdout

@@ -1,0 +1,146 @@
+"""The local launcher: start N ranks, report the first failure, stop the others promptly."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hpctrain.launch.local import launch, rank_env, signal_name
+
+REPO = Path(__file__).resolve().parent.parent
+LONG_SLEEP = 60  # what a rank left running would keep the call alive for
+
+
+def ranks(script: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(script)]
+
+
+def test_all_ranks_succeed(tmp_path, capfd):
+    rc = launch(tmp_path, 3, cmd=ranks("""
+        import os
+        print(f"hello from rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}")
+    """))
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert "hello from rank 0 of 3" in out  # rank 0 writes to the terminal
+    for r in (1, 2):  # the others to their log files
+        assert f"hello from rank {r} of 3" in (tmp_path / "logs" / f"rank-{r}.log").read_text()
+    assert "failed" not in err
+
+
+def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
+    t0 = time.monotonic()
+    rc = launch(tmp_path, 3, cmd=ranks(f"""
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("boom on purpose")
+        time.sleep({LONG_SLEEP})
+    """))
+    elapsed = time.monotonic() - t0
+    _, err = capfd.readouterr()
+    assert rc == 1
+    assert "rank 1 failed (exit code 1)" in err
+    assert str(tmp_path / "logs" / "rank-1.log") in err
+    assert "RuntimeError: boom on purpose" in err  # the tail of its log
+    assert elapsed < LONG_SLEEP / 3, elapsed
+
+
+def test_exit_code_is_passed_on(tmp_path, capfd):
+    rc = launch(tmp_path, 2, cmd=ranks(f"""
+        import os, sys, time
+        if os.environ["RANK"] == "0":
+            sys.exit(3)
+        time.sleep({LONG_SLEEP})
+    """))
+    _, err = capfd.readouterr()
+    assert rc == 3
+    assert "rank 0 failed (exit code 3)" in err and "above" in err
+
+
+def test_rank_killed_by_signal(tmp_path, capfd):
+    t0 = time.monotonic()
+    rc = launch(tmp_path, 3, cmd=ranks(f"""
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep({LONG_SLEEP})
+    """))
+    elapsed = time.monotonic() - t0
+    _, err = capfd.readouterr()
+    assert rc == 128 + signal.SIGKILL
+    assert "rank 1 failed (was killed by SIGKILL)" in err
+    assert elapsed < LONG_SLEEP / 3, elapsed
+
+
+def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd):
+    """A rank that ignores SIGTERM (or is busy saving) does not keep the launcher alive past the grace."""
+    t0 = time.monotonic()
+    rc = launch(tmp_path, 2, grace_s=1.0, cmd=ranks(f"""
+        import os, signal, sys, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.5)
+            sys.exit(5)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep({LONG_SLEEP})
+    """))
+    elapsed = time.monotonic() - t0
+    _, err = capfd.readouterr()
+    assert rc == 5
+    assert "rank 1 failed (exit code 5)" in err
+    assert elapsed < LONG_SLEEP / 3, elapsed
+
+
+def test_signal_to_launcher_reaches_every_rank(tmp_path):
+    """SIGUSR2 sent to the launcher (as Slurm does before the time limit) is passed on to each rank."""
+    rank_script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        d = Path({str(tmp_path)!r})
+        def on_usr2(signum, frame):
+            (d / f"usr2-{{os.environ['RANK']}}").touch()
+            sys.exit(0)
+        signal.signal(signal.SIGUSR2, on_usr2)
+        (d / f"ready-{{os.environ['RANK']}}").touch()
+        time.sleep({LONG_SLEEP})
+        sys.exit(1)
+    """)
+    launcher = (f"import sys; from hpctrain.launch.local import launch; "
+                f"sys.exit(launch({str(tmp_path / 'run')!r}, 2, cmd=[sys.executable, '-c', {rank_script!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 20
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, "ranks did not start"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR2)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all((tmp_path / f"usr2-{r}").exists() for r in range(2))
+
+
+def test_rank_env():
+    base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "3"}
+    env = rank_env(1, 4, 12345, base=base)
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4"
+    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "4"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "12345"
+    assert env["HPCTRAIN_LAUNCHER"] == "local"
+    assert env["PATH"] == "/usr/bin"
+    assert env["OMP_NUM_THREADS"] == "3"  # a user's setting is kept
+    assert base == {"PATH": "/usr/bin", "OMP_NUM_THREADS": "3"}  # not modified
+    env = rank_env(0, 2, 1, base={})
+    assert int(env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 2)
+    assert env["RANK"] == "0"
+
+
+def test_signal_name():
+    assert signal_name(-9) == "SIGKILL"
+    assert signal_name(-15) == "SIGTERM"
