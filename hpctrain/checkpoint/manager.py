@@ -83,6 +83,7 @@ class CheckpointManager:
         """All ranks call this together. `extra` is JSON: step, tokens, data position, schedule."""
         self.wait()
         t0 = time.perf_counter()
+        self._check_space(step)
         nonce = self._agree_on_nonce()
         tmp = store.tmp_dir(self.root, step, nonce)
         if self.rank == 0:
@@ -121,15 +122,37 @@ class CheckpointManager:
             self._abandon(p.tmp, p.step, e)
         self._commit(p, None)
 
+    def _check_space(self, step: int) -> None:
+        """Refuse a save that cannot fit, before writing a byte: judged by the previous checkpoint's size."""
+        verdict = [None]
+        if self.rank == 0:
+            good = store.list_complete(self.root)
+            if good:
+                need, free = store.disk_usage(good[-1][1]), store.free_bytes(self.root)
+                if free < need * 1.05:
+                    verdict = [f"No space left on device for it: {_mb(free)} free under {self.root}, "
+                               f"the previous checkpoint took {_mb(need)}"]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            self._fail(step, verdict[0])
+
     def _abandon(self, tmp: Path, step: int, error: BaseException) -> None:
         """A save failed on some rank (full disk, I/O error): drop its pieces, keep the last good one."""
         import shutil
 
+        cause = _root_cause(error)
+        free = store.free_bytes(self.root)
+        if free < 64 << 20:  # torch's writer hides ENOSPC behind "unexpected pos": name it
+            cause = f"No space left on device ({_mb(free)} free under {self.root}; {cause})"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        self._fail(step, cause)
+
+    def _fail(self, step: int, cause: str) -> None:
         good = store.list_complete(self.root)
         kept = f"the newest complete checkpoint, {good[-1][1]}, is intact" if good else "there is no earlier checkpoint"
-        raise SaveFailed(f"saving the checkpoint of step {step} failed: {_root_cause(error)}; {kept}") from None
+        raise SaveFailed(f"saving the checkpoint of step {step} failed: {cause}; {kept}. "
+                         "Fix: free space, or point run.dir at a larger file system") from None
 
     def _commit(self, p: Pending, t0: Optional[float]) -> None:
         # DCP returns on every rank only after the coordinator wrote .metadata: everything is on disk.
@@ -214,6 +237,10 @@ class CheckpointManager:
         return verdict[0]
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def _root_cause(e: BaseException) -> str:
     """DCP wraps each rank's exception; the OSError inside says what actually happened."""
     seen, stack = set(), [e]
@@ -227,6 +254,12 @@ def _root_cause(e: BaseException) -> str:
         stack.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
         for failure in (getattr(cur, "failures", None) or {}).values():
             stack.append(failure[0] if isinstance(failure, tuple) else failure)
+            # A failure from another rank arrives as text only: look for the errno there.
+            text = "".join(failure[1].format()) if isinstance(failure, tuple) and hasattr(failure[1], "format") else ""
+            for known in ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                          "Permission denied", "Input/output error"):
+                if known in text:
+                    return known
     return _first_line(e)
 
 

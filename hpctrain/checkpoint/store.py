@@ -53,6 +53,15 @@ def list_incomplete(root: str | os.PathLike) -> list[Path]:
     return sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and p.is_dir() and not is_complete(p))
 
 
+def disk_usage(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def read_info(path: Path) -> dict:
     return json.loads((path / INFO).read_text())
 

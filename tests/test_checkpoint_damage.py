@@ -1,0 +1,188 @@
+"""Damaged checkpoints, full disks and retention, in this process on a world of one rank (fast)."""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpctrain.checkpoint import store
+from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
+from hpctrain.compose import compose
+from hpctrain.preempt import Preemption
+from hpctrain.train import Trainer
+
+BASE = ("+experiment=tiny", "launcher.nproc=1", "train.global_batch=4", "train.micro_batch=2",
+        "data.seq_len=16", "optim.warmup_steps=1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def trainer(run_dir: Path, *overrides: str) -> Trainer:
+    cfg = compose([*BASE, f"run.dir={run_dir}", *overrides])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, str(run_dir), torch.device("cpu"))
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path) -> Path:
+    """A run with complete checkpoints at steps 2 and 4."""
+    run = tmp_path / "run"
+    trainer(run, "train.steps=4", "checkpoint.every=2").fit()
+    assert [s for s, _ in store.list_complete(run / "checkpoints")] == [2, 4]
+    return run
+
+
+def resume(run: Path, *overrides: str) -> tuple[Trainer, list[str]]:
+    warnings: list[str] = []
+    t = trainer(run, "train.steps=6", "checkpoint.every=2", *overrides)
+    t.resume(warnings.append)
+    return t, warnings
+
+
+def shard(run: Path, step: int) -> Path:
+    return next((run / "checkpoints" / store.step_name(step)).glob("*.distcp"))
+
+
+def test_resumes_from_newest(two_checkpoints):
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 4 and warnings == []
+    assert t.sampler.position == 4 * 4  # data position restored
+
+
+def test_truncated_shard_falls_back_with_warning(two_checkpoints):
+    f = shard(two_checkpoints, 4)
+    os.truncate(f, f.stat().st_size // 2)
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 2
+    assert any("truncated" in w and f.name in w for w in warnings), warnings
+    assert any("older checkpoint step-00000002" in w for w in warnings)
+
+
+def test_missing_shard_falls_back_with_warning(two_checkpoints):
+    shard(two_checkpoints, 4).unlink()
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 2 and any("is missing" in w for w in warnings), warnings
+
+
+def test_missing_metadata_is_ignored_with_warning(two_checkpoints):
+    (two_checkpoints / "checkpoints" / "step-00000004" / ".metadata").unlink()
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 2
+    assert any("step-00000004" in w and "not a complete checkpoint" in w for w in warnings), warnings
+
+
+def test_other_model_shape_is_refused_with_clear_error(two_checkpoints):
+    with pytest.raises(NoUsableCheckpoint) as e:
+        resume(two_checkpoints, "model.dim=64")
+    msg = str(e.value)
+    assert "different model" in msg and "shape" in msg and "Fix:" in msg
+
+
+def test_all_damaged_stops_with_clear_error(two_checkpoints):
+    for step in (2, 4):
+        shard(two_checkpoints, step).unlink()
+    with pytest.raises(NoUsableCheckpoint) as e:
+        resume(two_checkpoints)
+    assert "step-00000002" in str(e.value) and "step-00000004" in str(e.value)
+
+
+def test_load_step_picks_an_older_one_and_names_bad_steps(two_checkpoints):
+    t, _ = resume(two_checkpoints, "checkpoint.load_step=2")
+    assert t.step == 2
+    with pytest.raises(NoUsableCheckpoint, match=r"load_step=3.*complete steps: 2, 4"):
+        resume(two_checkpoints, "checkpoint.load_step=3")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_pickle_with_foreign_objects_is_not_unpickled(two_checkpoints):
+    meta = two_checkpoints / "checkpoints" / "step-00000004" / ".metadata"
+    meta.write_bytes(pickle.dumps(_Evil()))
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 2
+    assert any("refusing to unpickle" in w and "system" in w for w in warnings), warnings
+
+
+class StopAt(Preemption):
+    """A preemption request that arrives during step `step`, as a signal would."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.trainer = step, None
+
+    def agreed(self, device=None, group=None) -> bool:
+        self.requested_by = "test" if self.trainer.step == self.step else None
+        return super().agreed(device, group)
+
+
+def test_preempted_then_resumed_matches_uninterrupted(tmp_path):
+    whole = trainer(tmp_path / "a", "train.steps=6").fit().losses
+    t = trainer(tmp_path / "b", "train.steps=6")
+    stop = StopAt(3)
+    stop.trainer = t
+    first = t.fit(stop)
+    assert first.status == "preempted" and first.step == 3 and first.checkpoint.endswith("step-00000003")
+    rest = trainer(tmp_path / "b", "train.steps=6").fit().losses
+    assert first.losses + rest == whole
+
+
+def test_retention_keeps_newest_and_sweeps_temporaries(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp-step-00000001-dead").mkdir(parents=True)  # a torn save of a crash
+    trainer(run, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=2").fit()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000005", "step-00000006"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"disk-{size}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.fail(f"cannot mount a tmpfs to simulate a full disk: {r.stderr.decode()}")
+        mounted.append(mnt)
+        return mnt
+
+    mounted: list[Path] = []
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_disk_full_during_save_fails_cleanly(tiny_disk):
+    # One checkpoint of this model is ~5.5 MB: it cannot fit in 2 MB; the write itself fails.
+    run = tiny_disk("2m") / "run"
+    with pytest.raises(SaveFailed) as e:
+        trainer(run, "train.steps=2", "checkpoint.every=2").fit()
+    assert "No space left on device" in str(e.value) and "no earlier checkpoint" in str(e.value)
+    assert list((run / "checkpoints").iterdir()) == []  # the torn pieces are gone
+
+
+def test_full_disk_refuses_next_save_and_keeps_previous(tiny_disk):
+    # 8 MB: the first checkpoint fits, the second (beside the first) cannot.
+    run = tiny_disk("8m") / "run"
+    t = trainer(run, "train.steps=4", "checkpoint.every=2")
+    with pytest.raises(SaveFailed) as e:
+        t.fit()
+    assert "No space left on device" in str(e.value) and "step-00000002, is intact" in str(e.value)
+    assert [s for s, _ in store.list_complete(run / "checkpoints")] == [2]
+    assert not any(p.name.startswith(".tmp") for p in (run / "checkpoints").iterdir())
+    again, warnings = resume(run)
+    assert again.step == 2 and warnings == []
