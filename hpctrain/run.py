@@ -72,5 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave without running interpreter finalization: C++ threads of the process group (gloo,
+    TCPStore) can still be alive then, and tearing down their objects aborts the process
+    ("terminate called without an active exception") after the work is done."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -142,17 +142,19 @@ class CheckpointManager:
 
         cause = _root_cause(error)
         free = store.free_bytes(self.root)
-        if free < 64 << 20:  # torch's writer hides ENOSPC behind "unexpected pos": name it
+        space = free < 64 << 20
+        if space:  # torch's writer hides ENOSPC behind "unexpected pos": name it
             cause = f"No space left on device ({_mb(free)} free under {self.root}; {cause})"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        self._fail(step, cause)
+        self._fail(step, cause, space)
 
-    def _fail(self, step: int, cause: str) -> None:
+    def _fail(self, step: int, cause: str, space: bool = True) -> None:
         good = store.list_complete(self.root)
         kept = f"the newest complete checkpoint, {good[-1][1]}, is intact" if good else "there is no earlier checkpoint"
-        raise SaveFailed(f"saving the checkpoint of step {step} failed: {cause}; {kept}. "
-                         "Fix: free space, or point run.dir at a larger file system") from None
+        fix = ("Fix: free space, or point run.dir at a larger file system" if space else
+               "If another rank died, its log says why; restarting the run resumes from the intact checkpoint")
+        raise SaveFailed(f"saving the checkpoint of step {step} failed: {cause}; {kept}. {fix}") from None
 
     def _commit(self, p: Pending, t0: Optional[float]) -> None:
         # DCP returns on every rank only after the coordinator wrote .metadata: everything is on disk.

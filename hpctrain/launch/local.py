@@ -48,7 +48,7 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
-           grace_s: float = 10.0) -> int:
+           grace_s: float = 10.0, settle_s: float = 2.0) -> int:
     """Run `cmd` (default: the hpctrain rank entry) as nproc ranks; returns the job's exit code."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
@@ -75,15 +75,15 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
     failed: tuple[int, int] | None = None
     try:
         while any(p.poll() is None for p in procs):
-            for r, p in enumerate(procs):
-                rc = p.poll()
-                if rc not in (None, 0) and failed is None:
-                    failed = (r, rc)
-                    _stop(procs, grace_s)
+            if any(p.poll() not in (None, 0) for p in procs):
+                # One rank's death makes its peers fail too (a broken collective): give them a
+                # moment, so that the report can name the rank that failed first, not an echo.
+                _settle(procs, settle_s)
+                failed = first_failure(procs)
+                _stop(procs, grace_s)
+                break
             time.sleep(0.1)
-        if failed is None:
-            bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-            failed = bad[0] if bad else None
+        failed = failed or first_failure(procs)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -99,6 +99,21 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
         msg += "\n--- last lines of rank %d ---\n%s" % (r, tail(logs / f"rank-{r}.log"))
     print(msg, file=sys.stderr)
     return rc if rc > 0 else 128 - rc
+
+
+def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """The rank to blame: one killed by a signal (the cause) before one that exited with an error
+    (often only the echo of a peer's death), lowest rank first."""
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    if not bad:
+        return None
+    return sorted(bad, key=lambda rb: (rb[1] > 0, rb[0]))[0]
+
+
+def _settle(procs: list[subprocess.Popen], settle_s: float) -> None:
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
