@@ -1,0 +1,88 @@
+"""`python -m hpctrain.plan [overrides...] [--top N] [--json PATH] [--png PATH] [--calibrate]`
+
+Composes the config as `python -m hpctrain` does, prices the layout it asks for, then searches every
+layout of the same model, batch and cluster and prints the fastest that fit. No torch: seconds.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+USAGE = __doc__ + """
+  +experiment=70b cluster=h100 cluster.nodes=8    what to plan (any hpctrain override)
+  --top N        rows of the ranked table (10)
+  --json PATH    write plan.json for the requested layout and the best one
+  --png PATH     bar chart of device memory: the requested layout and the best few
+  --calibrate    print predicted vs published TFLOP/s for Megatron-LM's H100 table and exit
+"""
+
+
+def _options(argv: list[str]) -> tuple[dict, list[str]]:
+    opts, rest, it = {"top": "10"}, [], iter(argv)
+    for a in it:
+        if a in ("--top", "--json", "--png"):
+            opts[a[2:]] = next(it, "")
+        elif a.startswith(("--top=", "--json=", "--png=")):
+            k, _, v = a[2:].partition("=")
+            opts[k] = v
+        elif a == "--calibrate":
+            opts["calibrate"] = True
+        else:
+            rest.append(a)
+    opts["top"] = int(opts["top"])
+    return opts, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpctrain.check import CHOICES, problems
+    from hpctrain.compose import ConfigError, compose
+    from hpctrain.config import world_size
+    from hpctrain.plan import report
+    from hpctrain.plan.memory import cluster_of, job_of
+    from hpctrain.plan.search import Space, search
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    try:
+        opts, overrides = _options(argv)
+        if opts.get("calibrate"):
+            print(report.calibration_table(report.calibration(cluster_of(compose(["cluster=h100"] + overrides)))))
+            return 0
+        cfg = compose(overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"hpctrain.plan: error: {e}", file=sys.stderr)
+        return 2
+    request, world = job_of(cfg), world_size(cfg)
+    found = problems(cfg)
+    if request.layout.world == world:
+        asked = report.plan(request)
+        asked.problems = found + [p for p in asked.problems if p not in found]
+        print("requested layout:\n" + report.summary(asked) + "\n")
+    else:  # the mesh does not even cover the ranks: nothing to price
+        asked = None
+        print("requested layout cannot run:\n" + "\n".join(f"  - {p}" for p in found) + "\n")
+    # Search what the config schema accepts today (check.CHOICES), so every suggestion composes.
+    space = Space(zeros=tuple(z for z in Space().zeros if z in CHOICES["parallel.zero"]))
+    print(f"searching {world} ranks, ZeRO stages {', '.join(map(str, space.zeros))} "
+          f"(those parallel.zero accepts):")
+    res = search(request, space, world=world)
+    print(report.explain(res, top=opts["top"], request=request if asked else None))
+    if opts.get("json"):
+        doc = {"requested": report.plan_dict(asked) if asked else None,
+               "best": report.plan_dict(report.plan(res.ranked[0].job)) if res.ranked else None}
+        with open(opts["json"], "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {opts['json']}")
+    if opts.get("png"):
+        plans = [("requested", asked)] if asked else []
+        plans += [(f"#{i} tp{c.job.layout.tp} pp{c.job.layout.pp} zero{c.job.zero} {c.job.offload} ac {c.job.ac}",
+                   report.plan(c.job)) for i, c in enumerate(res.ranked[:4], 1)]
+        if plans:
+            print(f"wrote {report.save_memory_png(plans, opts['png'])}")
+    return 0 if res.ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Bytes one rank holds while training: model state by ZeRO stage and offload target, activations by
+checkpointing and pipeline schedule, and the transient buffers on top. Pure arithmetic, no torch.
+
+`Job` is the planner's input: one layout of one model on one cluster, as plain numbers, so the
+search can price thousands of layouts without touching OmegaConf. `job_of(cfg)` builds it from a
+composed config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hpctrain.config import ClusterConfig, ModelConfig
+from hpctrain.layout import Layout, layout_of
+from hpctrain.plan.flops import param_counts
+
+GiB = 2**30
+BYTES = {"bf16": 2, "fp32": 4}
+# Gradients are reduced in fp32 whatever the compute precision (config.TrainConfig.precision).
+REDUCE_BYTES = 4
+# DDP's default gradient bucket, two in flight.
+DDP_BUCKET_BYTES = 2 * 25 * 2**20
+# The caching allocator rounds and fragments: a share of what comes and goes within a step
+# (activations, transient buffers) stays reserved but unusable.
+FRAGMENTATION = 0.05
+# Per rank, outside the device: the Python process with torch, CUDA/NCCL host state, data loader.
+HOST_BASE_BYTES = 3 * GiB
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelConfig
+    cluster: ClusterConfig
+    layout: Layout
+    seq_len: int
+    global_batch: int
+    micro_batch: int = 1
+    precision: str = "bf16"
+    zero: int = 3
+    ac: str = "none"  # none | full | selective (every ac_every-th block)
+    ac_every: int = 2
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    offload: str = "none"  # none | cpu | nvme
+    async_checkpoint: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches each data-parallel rank runs per step (pipeline micro-batches when pp > 1)."""
+        return max(1, self.global_batch // max(1, self.layout.dp * self.micro_batch))
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks the model state is sharded over: ZeRO shards within dp_shard, replicates across
+        dp_replicate (HSDP); ZeRO-0 shards nothing."""
+        return self.layout.dp_shard if self.zero >= 1 else 1
+
+    def with_(self, **kw) -> "Job":
+        return replace(self, **kw)
+
+
+def job_of(cfg: Any, world: int | None = None) -> Job:
+    """The planner's view of a composed config. The local launcher puts every rank on one machine."""
+    from omegaconf import OmegaConf
+
+    p, t = cfg.parallel, cfg.train
+    lay = layout_of(cfg, world)
+    cluster = cluster_of(cfg)
+    if cfg.launcher.name == "local":
+        cluster = replace(cluster, nodes=1, tasks_per_node=lay.world,
+                          gpus_per_node=lay.world if cluster.gpus_per_node else 0)
+    return Job(model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)), cluster=cluster, layout=lay,
+               seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
+               precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
+               schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, offload=cfg.offload.target,
+               async_checkpoint=bool(cfg.checkpoint["async"]))
+
+
+def cluster_of(cfg: Any) -> ClusterConfig:
+    """The cluster section as a plain dataclass (attribute access on it is ~100x OmegaConf's)."""
+    from omegaconf import OmegaConf
+
+    return ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+
+
+def ranks_per_node(cluster: Any) -> int:
+    return cluster.gpus_per_node or cluster.tasks_per_node or 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters per rank
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of pipeline stage `stage` holds after tensor parallel, before ZeRO."""
+    stage: int
+    layers: int
+    total: float
+    largest_unit: float  # the biggest FSDP unit (a block, the embedding or the output layer)
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> int:
+    # Even split; a remainder goes to the first stages (the planner's search requires divisibility).
+    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+
+
+def stage_params(m: Any, pp: int, tp: int, stage: int) -> StageParams:
+    c = param_counts(m)
+    # TP splits every matrix (vocab-parallel embedding and output included); norms are replicated.
+    block = (c["per_block"] - 2 * m.dim) / tp + 2 * m.dim
+    layers = stage_layers(m.n_layers, pp, stage)
+    units = [block] if layers else []
+    total = layers * block
+    if stage == 0:
+        units.append(c["embedding"] / tp)
+        total += c["embedding"] / tp
+    if stage == pp - 1:
+        # Tied embeddings on one stage share a tensor; across stages each end holds a copy.
+        out = c["embedding"] if (m.tie_embeddings and pp > 1) else c["output"]
+        units.append(out / tp + m.dim)
+        total += out / tp + m.dim
+    return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0))
+
+
+def model_state(params: float, precision: str, zero: int, shard: int, offload: str) -> tuple[dict, dict]:
+    """(on device, off device) bytes of parameters, gradients, fp32 master weights and Adam moments.
+
+    Mixed precision (bf16) keeps 2 + 2 + 4 + 8 = 16 bytes per parameter; fp32 keeps 4 + 4 + 8, the
+    parameters being their own master copy. ZeRO-1 shards the optimizer state (master + moments) over
+    `shard` ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Offloading moves master and
+    moments to the host (cpu) or NVMe, where the host optimizer also needs the fp32 gradients.
+    """
+    pb = BYTES[precision]
+    n = max(1, shard)
+    master = 4 if precision == "bf16" else 0
+    state = {"params": pb * params / (n if zero >= 3 else 1),
+             "grads": pb * params / (n if zero >= 2 else 1),
+             "master": master * params / (n if zero >= 1 else 1),
+             "moments": 8 * params / (n if zero >= 1 else 1)}
+    if offload == "none":
+        return state, {}
+    off = {"master": state.pop("master"), "moments": state.pop("moments"),
+           "grads_fp32": 4 * params / (n if zero >= 1 else 1)}
+    return state, off
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str) -> float:
+    """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
+
+    Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp), the q/k/v
+    outputs after RoPE (h + 2 kv), the attention output (h; flash attention keeps no s x s matrix),
+    the SwiGLU's w1 and w3 outputs, silu(w1) and the product (4 ffn), all / tp. The two norm
+    outputs that feed column-parallel linears are saved *after* the sequence-parallel all-gather
+    (torch's ColwiseParallel saves its gathered input; Megatron re-gathers instead), so 2h are not
+    divided by tp. Without TP the sum is 6h + 2kv + 4ffn elements per token.
+    """
+    head_dim = m.dim // m.n_heads
+    kv = m.n_kv_heads * head_dim
+    per_token = 2 * m.dim + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 4 * m.ffn_dim) / tp
+    return tokens * per_token * BYTES[precision]
+
+
+def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str) -> float:
+    """A checkpointed block keeps only its input: the residual stream, sequence-parallel with TP."""
+    return tokens * m.dim / tp * BYTES[precision]
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of its layers.
+
+    GPipe runs every forward first (m). 1F1B holds pp - stage on stage s, so the first stage is the
+    worst. Interleaving raises that by (1 + (pp-1)/(pp v)) (Korthikanti et al. 2022, sec. 4.2.3).
+    The zero-bubble family keeps 1F1B's peak (ZB-H1 by design; ZBV/DualPipeV hold ~pp chunk pairs).
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    held = float(min(m, pp - stage))
+    if schedule == "interleaved_1f1b" and v > 1:
+        held *= 1 + (pp - 1) / (pp * max(1, v))
+    elif schedule in ("zbv", "dualpipev"):
+        held = float(min(m, pp))
+    return held
+
+
+def checkpointed_layers(ac: str, layers: int, every: int) -> int:
+    if ac == "full":
+        return layers
+    if ac == "selective":
+        return layers // max(1, every)
+    return 0
+
+
+def activations(job: Job, stage: int) -> dict:
+    """Activation bytes of stage `stage` at its peak: saved tensors of the in-flight micro-batches,
+    the one block being recomputed, and the output layer's inputs on the last stage."""
+    m, lay, pr = job.model, job.layout, job.precision
+    tokens = job.micro_batch * job.seq_len
+    layers = stage_layers(m.n_layers, lay.pp, stage)
+    full = layer_activation_bytes(m, tokens, lay.tp, pr)
+    ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
+    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr) + (layers - ckpt) * full
+    if stage == lay.pp - 1:  # final norm input (sequence-parallel) and the gathered output-layer input
+        per_mb += tokens * m.dim * (1 / lay.tp + 1) * BYTES[pr]
+    held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
+    return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per rank totals
+
+
+@dataclass
+class Memory:
+    stage: int  # the pipeline stage whose ranks need the most device memory
+    device: dict  # bytes by kind on one rank of that stage
+    host_per_rank: dict
+    nvme_per_rank: float
+    ranks_per_node: int
+    device_limit: float
+    host_limit: float
+    nvme_limit: float
+    problems: list = field(default_factory=list)
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_per_node(self) -> float:
+        return sum(self.host_per_rank.values()) * self.ranks_per_node
+
+    @property
+    def nvme_per_node(self) -> float:
+        return self.nvme_per_rank * self.ranks_per_node
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def transients(job: Job, sp: StageParams) -> dict:
+    """Buffers that live for part of a step on top of state and saved activations."""
+    m, lay = job.model, job.layout
+    pb = BYTES[job.precision]
+    out = {}
+    if job.zero >= 3 and job.zero_group > 1:
+        # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
+        # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
+        out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)
+    elif job.zero >= 1 and job.zero_group > 1:
+        out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
+    elif lay.dp > 1:
+        out["reduce_buffers"] = float(DDP_BUCKET_BYTES)
+    if sp.stage == lay.pp - 1:
+        # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
+        # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
+        out["logits"] = job.micro_batch * job.seq_len * m.vocab_size / lay.tp * (pb + 4 + 4)
+    return out
+
+
+def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
+    """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
+    lay = job.layout
+    sp = stage_params(job.model, lay.pp, lay.tp, stage)
+    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload)
+    dev = {k: v for k, v in dev.items() if v}
+    dev.update({k: v for k, v in activations(job, stage).items() if v})
+    dev.update(transients(job, sp))
+    churn = sum(v for k, v in dev.items() if k not in ("params", "grads", "master", "moments"))
+    dev["fragmentation"] = FRAGMENTATION * churn
+    dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB
+    host = {"process": float(HOST_BASE_BYTES)}
+    nvme = 0.0
+    if job.offload == "cpu":
+        host.update(off)
+    elif job.offload == "nvme":
+        nvme = off["master"] + off["moments"]
+        host["grads_fp32"] = off["grads_fp32"]
+        # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
+        host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
+    if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
+        state = dict(model_state(sp.total, job.precision, job.zero, job.zero_group, "none")[0])
+        host["checkpoint_staging"] = state["params"] + state["master"] + state["moments"]
+    return dev, host, nvme
+
+
+def memory(job: Job) -> Memory:
+    """Memory of the worst pipeline stage, with the problems that keep it from fitting."""
+    lay = job.layout
+    stages = sorted({0, lay.pp - 1, min(1, lay.pp - 1)})  # first, a middle one, last
+    worst = max(((s,) + stage_memory(job, s) for s in stages), key=lambda x: sum(x[1].values()))
+    stage, dev, host, nvme = worst
+    c = job.cluster
+    mem = Memory(stage=stage, device=dev, host_per_rank=host, nvme_per_rank=nvme,
+                 ranks_per_node=ranks_per_node(c), device_limit=c.device_mem_gb * GiB,
+                 host_limit=c.host_mem_gb * GiB, nvme_limit=c.nvme_gb * GiB)
+    mem.problems = memory_problems(job, mem)
+    return mem
+
+
+def memory_problems(job: Job, mem: Memory) -> list[str]:
+    out = []
+    if mem.device_total > mem.device_limit:
+        big = max((k for k in mem.device if k != "runtime_reserve"), key=mem.device.get)
+        out.append(f"device memory: {gib(mem.device_total)} per rank (stage {mem.stage}) > "
+                   f"{gib(mem.device_limit)} (cluster.device_mem_gb); largest part {big} "
+                   f"{gib(mem.device[big])}. {_memory_fix(job, big)}")
+    if mem.host_per_node > mem.host_limit:
+        out.append(f"host memory: {gib(mem.host_per_node)} per node > {gib(mem.host_limit)} "
+                   f"(cluster.host_mem_gb). Fix: offload.target=nvme or more ranks to shard over")
+    if job.offload == "nvme" and not mem.nvme_limit:
+        out.append("NVMe: this cluster has none for offloaded state (cluster.nvme_gb=0). Fix: offload.target=cpu")
+    elif job.offload == "nvme" and mem.nvme_per_node > mem.nvme_limit:
+        out.append(f"NVMe: {gib(mem.nvme_per_node)} per node > {gib(mem.nvme_limit)} (cluster.nvme_gb). "
+                   "Fix: offload.target=cpu or more nodes")
+    return out
+
+
+def _memory_fix(job: Job, big: str) -> str:
+    if big in ("activations", "recompute", "logits"):
+        fixes = []
+        if job.ac != "full":
+            fixes.append("parallel.ac=full")
+        if job.micro_batch > 1:
+            fixes.append("a smaller train.micro_batch")
+        fixes.append("more parallel.tp or parallel.pp")
+        return "Fix: " + ", ".join(fixes)
+    if job.zero < 3:
+        return f"Fix: parallel.zero={job.zero + 1} or more data-parallel ranks"
+    if job.offload == "none":
+        return "Fix: offload.target=cpu, more ranks, or more parallel.tp/pp"
+    return "Fix: more ranks, or more parallel.tp/pp"
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB" if x >= GiB / 10 else f"{x / 2**20:.1f} MiB"
+

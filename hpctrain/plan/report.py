@@ -1,0 +1,217 @@
+"""What the planner tells people: a plan's summary text, its plan.json dict, the ranked layouts
+table, a PNG of memory breakdowns (matplotlib imported only there), and the calibration table
+against Megatron-LM's published H100 figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hpctrain.config import ModelConfig
+from hpctrain.layout import Layout
+from hpctrain.plan.flops import param_counts
+from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
+from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
+from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, throughput
+
+
+@dataclass
+class Plan:
+    job: Job
+    memory: Memory
+    time: Throughput
+    problems: list
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def plan(job: Job, sw: Software = HPCTRAIN) -> Plan:
+    """Memory and time of one layout, with every reason it cannot run (structure and memory). The
+    figures are computed even for a layout that cannot run, so the user sees by how much it misses."""
+    mem = memory(job)
+    return Plan(job=job, memory=mem, time=throughput(job, sw),
+                problems=[msg for _, msg in layout_problems(job)] + mem.problems)
+
+
+def plan_dict(p: Plan) -> dict:
+    """plan.json: what a run directory records about its predicted cost."""
+    m, t, j = p.memory, p.time, p.job
+    return {"model": j.model.name, "params": param_counts(j.model)["total"], "world": j.world,
+            "layout": knobs(j), "seq_len": j.seq_len, "global_batch": j.global_batch,
+            "microbatches": j.microbatches, "precision": j.precision, "feasible": p.fits, "problems": p.problems,
+            "memory_per_gpu_bytes": m.device_total, "memory_breakdown_bytes": m.device, "memory_stage": m.stage,
+            "device_memory_bytes": m.device_limit, "host_memory_bytes": m.host_per_node,
+            "host_memory_per_rank_bytes": m.host_per_rank, "nvme_bytes": m.nvme_per_node,
+            "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
+            "tokens_per_s_per_gpu": t.tokens_per_s / j.world, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu,
+            "bubble_fraction": t.bubble_fraction, "time_breakdown_s": t.breakdown, "collectives": t.collectives}
+
+
+def describe(job: Job) -> str:
+    k = knobs(job)
+    s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}, zero {k['zero']}, "
+         f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
+    if job.layout.pp > 1:
+        s += f", {job.schedule}" + (f" v{job.virtual_stages}" if job.schedule == "interleaved_1f1b" else "")
+    return s
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s"
+
+
+def _parts(d: dict, fmt, total: float = 0.0) -> str:
+    """'name value (share)' for the non-zero entries of `d`, largest first."""
+    items = sorted(((k, v) for k, v in d.items() if v > 0), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {fmt(v)}" + (f" ({v / total:.0%})" if total else "") for k, v in items)
+
+
+def summary(p: Plan) -> str:
+    j, m, t = p.job, p.memory, p.time
+    c = j.cluster
+    n = param_counts(j.model)["total"]
+    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    lines = [f"{j.model.name} ({size} params) on {j.world} x {c.name}: "
+             f"{describe(j)}",
+             f"memory per GPU (stage {m.stage}): {gib(m.device_total)} of {gib(m.device_limit)}: "
+             + _parts(m.device, gib),
+             f"host per node {gib(m.host_per_node)} of {gib(m.host_limit)}: " + _parts(m.host_per_rank, gib)
+             + f" per rank x {m.ranks_per_node}"
+             + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
+             f"step {t.step_time_s:.3g} s ({j.microbatches} micro-batches of {j.micro_batch} x {j.seq_len}): "
+             + _parts(t.breakdown, _seconds, t.step_time_s),
+             f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per GPU), "
+             f"{t.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {t.mfu:.1%}"]
+    if p.problems:
+        lines.append("cannot run:")
+        lines += [f"  - {x}" for x in p.problems]
+    return "\n".join(lines)
+
+
+def table(cands: list, limit: Optional[float] = None) -> str:
+    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
+            f"{'schedule':>12} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {'/GPU':>6} {'TFLOP/s':>7} {'MFU':>5}")
+    rows = [head]
+    for i, c in enumerate(cands, 1):
+        k, t = knobs(c.job), c.time
+        sched = k["schedule"] + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+        rows.append(f"{i:>3} {k['tp']:>2} {k['pp']:>3} {str(k['dp_replicate']) + 'x' + str(k['dp_shard']):>7} "
+                    f"{k['zero']:>4} {k['offload']:>7} {k['ac']:>9} {k['micro_batch']:>2} {sched:>12} "
+                    f"{c.memory.device_total / GiB:>7.2f} {t.step_time_s:>7.3g} {t.tokens_per_s:>10,.0f} "
+                    f"{t.tokens_per_s / c.job.world:>6,.0f} {t.tflops_per_gpu:>7.3g} {t.mfu:>5.1%}")
+    return "\n".join(rows)
+
+
+def explain(res: SearchResult, top: int = 10, why: int = 3, request: Optional[Job] = None) -> str:
+    """The ranked table, why the best few win, why the others were refused, and the fitting layouts
+    nearest to the one asked for."""
+    if res.ranked:
+        out = [f"{len(res.ranked)} of {res.considered} layouts fit; best {min(top, len(res.ranked))} by tokens/s:",
+               table(res.ranked[:top])]
+    else:
+        out = [f"none of {res.considered} layouts fits"]
+    for i, c in enumerate(res.ranked[:why], 1):
+        t, m = c.time, c.memory
+        out.append(f"#{i}: {describe(c.job)}\n    time: {_parts(t.breakdown, _seconds, t.step_time_s)}\n"
+                   f"    memory {gib(m.device_total)} of {gib(m.device_limit)}: {_parts(m.device, gib)}")
+    if res.failures:
+        out.append("refused:")
+        for reason, n in res.failures.most_common():
+            ex = res.examples[reason]
+            out.append(f"  {n:>6} x {reason}  (e.g. {describe(ex.job)}: {ex.problems[0]})")
+    if res.near_misses:
+        out.append("closest to fitting:")
+        out += [f"  {describe(c.job)}: {gib(c.memory.device_total)}" for c in res.near_misses]
+    mine = [i for i, c in enumerate(res.ranked, 1) if request is not None and knobs(c.job) == knobs(request)]
+    if mine and res.ranked:
+        best = res.ranked[0].time.tokens_per_s
+        out.append(f"the requested layout ranks #{mine[0]} of {len(res.ranked)}, at "
+                   f"{res.ranked[mine[0] - 1].time.tokens_per_s / best:.0%} of the best's tokens/s")
+    elif request is not None and res.ranked:
+        out.append("fitting layouts nearest to the one asked for:")
+        out += [f"  {describe(c.job)}: {c.time.tokens_per_s:,.0f} tokens/s, {gib(c.memory.device_total)}"
+                for c in nearest(request, res.ranked)]
+    return "\n".join(out)
+
+
+def save_memory_png(plans: list, path: str) -> str:
+    """Stacked bars of device memory per GPU by kind, one per (label, Plan), against the device size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = []
+    for _, p in plans:
+        kinds += [k for k in p.memory.device if k not in kinds]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(plans) + 3), 5))
+    bottom = [0.0] * len(plans)
+    for kind in kinds:
+        vals = [p.memory.device.get(kind, 0.0) / GiB for _, p in plans]
+        ax.bar(range(len(plans)), vals, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(plans[0][1].memory.device_limit / GiB, color="k", linestyle="--", label="device memory")
+    ax.set_xticks(range(len(plans)), [label for label, _ in plans], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GiB per GPU")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: Megatron-LM README, H100, vocab 131072, seq 4096, DP 48 (DESIGN.md section 5).
+
+MEGATRON_H100 = [  # model, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+]
+
+
+def megatron_job(row: tuple, cluster: Any) -> Job:
+    """One table row in our schema.
+
+    - GPT, not Llama: no GQA (n_kv_heads = n_heads); the 4h GELU MLP (2 matrices of h x 4h) becomes
+      a SwiGLU of ffn = 8h/3 rounded to a multiple of TP (3 matrices of h x ffn): the same
+      parameters and FLOPs within 0.02%. Untied embeddings, as the published sizes imply.
+    - DP = GPUs / (TP x PP) = 48 on every row; ZeRO-1 (Megatron's distributed optimizer), bf16,
+      no activation recompute, no offload.
+    - PP = 1 rows run each replica's batch / DP = 4 sequences as one micro-batch. With 4
+      micro-batches of 1 the fp32 gradient reduce-scatter (16 GB per GPU for 32B, >= 0.33 s through
+      one 400G NIC) could only hide under the last one's backward; the published 459.6 TFLOP/s
+      is out of reach of any model that respects that bound.
+    - PP > 1 rows use micro-batch 1 (batch / DP = 4 PP micro-batches) and interleaved 1F1B with one
+      layer per virtual stage (layers / PP chunks; 23 and 7 layers per stage allow nothing between
+      1 and all). Plain 1F1B's bubble, 11-19% here, leaves no single set of constants within 10%.
+    """
+    name, heads, h, layers, tp, pp, gpus, batch, _ = row
+    ffn = round(8 * h / 3 / tp) * tp
+    m = ModelConfig(name=name, dim=h, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=ffn,
+                    vocab_size=131072, tie_embeddings=False)
+    dp = gpus // (tp * pp)
+    return Job(model=m, cluster=cluster, layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp),
+               seq_len=4096, global_batch=batch, micro_batch=batch // dp if pp == 1 else 1, precision="bf16",
+               zero=1, ac="none", schedule="interleaved_1f1b" if pp > 1 else "1f1b",
+               virtual_stages=layers // pp if pp > 1 else 1)
+
+
+def calibration(cluster: Any, sw: Software = MEGATRON) -> list[dict]:
+    rows = []
+    for row in MEGATRON_H100:
+        t = throughput(megatron_job(row, cluster), sw)
+        rows.append({"model": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "predicted": t.tflops_per_gpu,
+                     "published": row[8], "error": t.tflops_per_gpu / row[8] - 1})
+    return rows
+
+
+def calibration_table(rows: list[dict]) -> str:
+    out = [f"{'model':>6} {'TP':>2} {'PP':>2} {'GPUs':>5} {'predicted':>9} {'published':>9} {'error':>7}"]
+    out += [f"{r['model']:>6} {r['tp']:>2} {r['pp']:>2} {r['gpus']:>5} {r['predicted']:>9.1f} "
+            f"{r['published']:>9.1f} {r['error']:>+7.1%}" for r in rows]
+    return "\n".join(out)
+

@@ -1,0 +1,179 @@
+"""Enumerate layouts of a model on a cluster, keep those that can run and fit, rank them by predicted
+tokens/s, and say why the rest cannot run. Pure arithmetic: a 64-GPU search takes about a second.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from hpctrain.layout import Layout
+from hpctrain.plan.memory import Job, Memory, memory, ranks_per_node
+from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
+
+# The knobs a layout is made of; `nearest` counts how many of them differ.
+KNOBS = ("tp", "pp", "dp_replicate", "zero", "offload", "ac", "micro_batch", "schedule", "virtual_stages")
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose from. TP stays inside a node (its per-layer collectives would
+    crawl over the NICs); HSDP shard groups cover whole nodes."""
+    zeros: tuple = (0, 1, 2, 3)
+    offloads: tuple = ("none", "cpu", "nvme")
+    acs: tuple = ("none", "selective", "full")
+    micro_batches: tuple = (1, 2, 4, 8)
+    schedules: tuple = ("1f1b", "interleaved_1f1b", "gpipe")
+    virtual_stages: tuple = (2, 4)  # tried with interleaved_1f1b
+    ac_every: int = 2
+
+
+@dataclass
+class Candidate:
+    job: Job
+    problems: list  # messages that name the keys and a fix
+    reasons: list = field(default_factory=list)  # short forms, for counting
+    memory: Optional[Memory] = None
+    time: Optional[Throughput] = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class SearchResult:
+    ranked: list  # Candidates that fit, fastest first
+    failures: Counter  # short reason -> layouts refused for it
+    examples: dict  # short reason -> one refused Candidate
+    considered: int
+    near_misses: list = field(default_factory=list)  # refused only for device memory, least over first
+
+
+def knobs(job: Job) -> dict:
+    lay = job.layout
+    return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "zero": job.zero, "offload": job.offload, "ac": job.ac, "micro_batch": job.micro_batch,
+            "schedule": job.schedule if lay.pp > 1 else "-",
+            "virtual_stages": job.virtual_stages if job.schedule == "interleaved_1f1b" and lay.pp > 1 else 1}
+
+
+def overrides(job: Job) -> list[str]:
+    """The command-line overrides that select this layout."""
+    k = knobs(job)
+    out = [f"parallel.tp={k['tp']}", f"parallel.pp={k['pp']}", f"parallel.dp_replicate={k['dp_replicate']}",
+           f"parallel.dp_shard={k['dp_shard']}", f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
+           f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
+    if job.ac == "selective":
+        out.append(f"parallel.ac_every={job.ac_every}")
+    if job.layout.pp > 1:
+        out += [f"parallel.pp_schedule={job.schedule}", f"parallel.pp_microbatches={job.microbatches}"]
+        if job.schedule == "interleaved_1f1b":
+            out.append(f"parallel.pp_virtual_stages={job.virtual_stages}")
+    return out
+
+
+def layout_problems(job: Job) -> list[tuple[str, str]]:
+    """(short reason, message) for what keeps a layout from running at all, before memory."""
+    m, lay = job.model, job.layout
+    out = []
+    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(m, key) % lay.tp:
+            out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
+    if lay.pp > m.n_layers or m.n_layers % lay.pp:
+        out.append(("n_layers % pp", f"model.n_layers={m.n_layers} is not divisible by parallel.pp={lay.pp}"))
+    if lay.dp < 1 or job.global_batch % (lay.dp * job.micro_batch):
+        out.append(("global_batch % (dp x micro_batch)",
+                    f"train.global_batch={job.global_batch} is not divisible by data-parallel ranks "
+                    f"({lay.dp}) x train.micro_batch={job.micro_batch}"))
+    if lay.pp > 1 and job.schedule == "interleaved_1f1b":
+        if (m.n_layers // lay.pp) % max(1, job.virtual_stages):
+            out.append(("layers per stage % virtual stages",
+                        f"{m.n_layers // lay.pp} layers per stage do not split into parallel.pp_virtual_stages="
+                        f"{job.virtual_stages}"))
+        if job.microbatches % lay.pp:
+            out.append(("interleaved: micro-batches % pp",
+                        f"interleaved 1F1B needs micro-batches ({job.microbatches}) to be a multiple of pp={lay.pp}"))
+    if job.offload != "none" and job.zero < 1:
+        out.append(("offload needs zero >= 1", f"offload.target={job.offload} needs parallel.zero >= 1"))
+    return out
+
+
+def evaluate(job: Job, sw: Software = HPCTRAIN) -> Candidate:
+    """Price one layout: structural problems first, then memory, then (if it fits) time."""
+    found = layout_problems(job)
+    cand = Candidate(job=job, problems=[msg for _, msg in found], reasons=[r for r, _ in found])
+    if found:
+        return cand
+    cand.memory = memory(job)
+    if cand.memory.problems:
+        cand.problems = list(cand.memory.problems)
+        cand.reasons = [p.split(":")[0] for p in cand.memory.problems]
+        return cand
+    cand.time = throughput(job, sw)
+    return cand
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cluster: Any, world: int, space: Space) -> Iterator[tuple[Layout, int]]:
+    """(mesh, ZeRO stage) pairs. ZeRO-0 replicates over all data-parallel ranks; ZeRO >= 1 shards
+    over dp_shard and may replicate across dp_replicate groups (HSDP) whose shard group fills nodes."""
+    rpn = ranks_per_node(cluster)
+    for tp in divisors(world):
+        if tp > rpn:
+            break
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            for zero in space.zeros:
+                if zero == 0:
+                    yield Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), zero
+                    continue
+                for rep in divisors(dp):
+                    shard = dp // rep
+                    if rep == 1 or (zero == 3 and (shard * tp) % rpn == 0):
+                        yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp), zero
+
+
+def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iterator[Job]:
+    for lay, zero in layouts(base.cluster, world or base.world, space):
+        scheds = [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
+        for offload in (space.offloads if zero >= 1 else ("none",)):
+            for ac in space.acs:
+                for mb in space.micro_batches:
+                    for sched, v in (scheds if lay.pp > 1 else [("1f1b", 1)]):
+                        yield base.with_(layout=lay, zero=zero, offload=offload, ac=ac, ac_every=space.ac_every,
+                                         micro_batch=mb, schedule=sched, virtual_stages=v)
+
+
+def search(base: Job, space: Space = Space(), sw: Software = HPCTRAIN, world: Optional[int] = None) -> SearchResult:
+    """Every layout of `base`'s model, batch and cluster over `world` ranks (default: base's);
+    `base`'s own layout does not matter."""
+    ranked, failures, examples, misses, n = [], Counter(), {}, [], 0
+    for job in jobs(base, space, world):
+        n += 1
+        cand = evaluate(job, sw)
+        if cand.fits:
+            ranked.append(cand)
+            continue
+        for r in cand.reasons:
+            failures[r] += 1
+            examples.setdefault(r, cand)
+        if cand.reasons == ["device memory"]:
+            misses.append(cand)
+    ranked.sort(key=lambda c: (-c.time.tokens_per_s, c.memory.device_total))
+    misses.sort(key=lambda c: c.memory.device_total / c.memory.device_limit)
+    return SearchResult(ranked=ranked, failures=failures, examples=examples, considered=n, near_misses=misses[:3])
+
+
+def nearest(job: Job, ranked: list, k: int = 3) -> list:
+    """The fitting layouts that change the fewest knobs of `job`, fastest first among equals."""
+    want = knobs(job)
+
+    def distance(c: Candidate) -> int:
+        have = knobs(c.job)
+        return sum(want[x] != have[x] for x in KNOBS)
+
+    return sorted(ranked, key=lambda c: (distance(c), -c.time.tokens_per_s))[:k]
