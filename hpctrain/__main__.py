@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         check(cfg)
         print(summary(cfg), flush=True)
         if cfg.dry_run:
+            if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
+                from hpctrain.launch.sbatch import SCRIPT_NAME, sbatch_script, source_root
+
+                print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")
+                print(sbatch_script(cfg, cfg.run.dir, sys.executable, source_root()), end="")
+                print("---")
             print("dry run: nothing started")
             return 0
         problems = launch_problems(cfg)
@@ -84,6 +90,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hpctrain: stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
                   "run the same command again to resume", file=sys.stderr)
         return rc
+    if cfg.launcher.name == "sbatch":
+        import shlex
+
+        from hpctrain.launch.sbatch import source_root, write_script
+
+        path = write_script(cfg, str(run_dir), sys.executable, source_root())
+        print(f"wrote {path}\nsubmit it with:\n  sbatch {shlex.quote(str(path))}\n"
+              f"its log: {run_dir}/logs/slurm-<jobid>.out")
+        return 0
+    if cfg.launcher.name == "slurm":
+        from hpctrain.launch.sbatch import source_root
+        from hpctrain.launch.slurm import submit
+
+        return submit(cfg, run_dir, sys.executable, source_root())
     print(f"hpctrain: error: launcher={cfg.launcher.name} is not available yet", file=sys.stderr)
     return 2
 

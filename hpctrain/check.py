@@ -19,7 +19,7 @@ CHOICES = {
     "launcher.backend": ("auto", "gloo", "nccl"),
     "offload.target": ("none", "cpu", "nvme"),
     "parallel.ac": ("none", "full", "selective"),
-    "parallel.zero": (0, 3),
+    "parallel.zero": (0, 1, 2, 3),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
     "cluster.device": ("cpu", "cuda"),
     "optim.name": ("adamw",),
@@ -167,16 +167,75 @@ def _data(cfg):
                f"{cfg.model.vocab_size}. Fix: model.vocab_size={meta['vocab_size']}")
 
 
+@_check
+def _cluster_time(cfg):
+    """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
+    if cfg.launcher.name not in ("slurm", "sbatch"):
+        return
+    from hpctrain.launch.cluster_check import time_problems
+
+    yield from time_problems(cfg)
+
+
+@_check
+def _cluster_script(cfg):
+    """Slurm launchers: values that cannot be written into #SBATCH lines (line breaks, bad keys)."""
+    if cfg.launcher.name not in ("slurm", "sbatch"):
+        return
+    from hpctrain.launch.sbatch import problems as script_problems
+
+    yield from script_problems(cfg)
+
+
+@_check
+def _cluster_partition(cfg):
+    """Slurm launchers, not on a dry run: the partition exists and holds the nodes and tasks asked for.
+    Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
+    if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
+        return
+    from hpctrain.launch.cluster_check import partition_facts, partition_problems
+
+    partitions = partition_facts()
+    if partitions:
+        yield from partition_problems(cfg, partitions)
+
+
+@_check
+def _engine(cfg):
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if min(p.pp, p.tp, p.dp_replicate) < 1 or t.micro_batch < 1:
+        return
+    lay = layout_of(cfg)
+    if lay.dp > 1 and (p.tp > 1 or p.pp > 1) and p.zero < 2:
+        yield (f"parallel.zero={p.zero} with data parallel over {lay.dp} ranks and tp={p.tp}, pp={p.pp}: "
+               "DDP and ZeRO-1 do not compose with tensor/pipeline parallel here. Fix: parallel.zero=2 or 3")
+    if p.dp_replicate > 1 and p.zero < 2:
+        yield ("parallel.dp_replicate>1 (HSDP) needs a sharded data-parallel engine. "
+               "Fix: parallel.zero=2 or 3, or parallel.dp_replicate=1")
+    if p.pp > 1:
+        from hpctrain.parallel.pipeline import stages_per_rank
+
+        stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
+        if m.tie_embeddings:
+            yield ("model.tie_embeddings=true cannot be split over pipeline stages (the embedding and the "
+                   "output would live on different ranks). Fix: parallel.pp=1")
+        if stages > m.n_layers + 2:
+            yield (f"parallel.pp={p.pp} with schedule {p.pp_schedule} makes {stages} stages but the model has "
+                   f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
+        if lay.dp >= 1 and t.global_batch % (lay.dp * t.micro_batch) == 0:
+            n_micro = t.global_batch // lay.dp // t.micro_batch
+            if n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
+                yield (f"{n_micro} micro-batches per step (train.global_batch / data-parallel ranks / "
+                       f"train.micro_batch) for parallel.pp={p.pp}, schedule {p.pp_schedule}: a pipeline needs at "
+                       f"least pp micro-batches, a multiple of pp for interleaved schedules. "
+                       f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // (2 * p.pp))} or a larger "
+                       "train.global_batch")
+
+
 def launch_problems(cfg: Any) -> list[str]:
     """What this build cannot start yet. A dry run still plans such layouts; a launch refuses them
     here rather than deep inside torch."""
     out = []
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1:
-        out.append(f"parallel.tp={p.tp} / parallel.pp={p.pp}: tensor and pipeline parallel are not available yet. "
-                   "Fix: parallel.tp=1 parallel.pp=1")
-    if p.dp_replicate > 1 and p.zero == 0:
-        out.append("parallel.dp_replicate>1 (HSDP) needs parallel.zero=3. Fix: parallel.zero=3 or parallel.dp_replicate=1")
     if cfg.offload.target != "none":
         out.append(f"offload.target={cfg.offload.target} is not available yet. Fix: offload.target=none")
     return out

@@ -15,7 +15,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, o, total_steps: int):
+def build_optimizer(params, o, total_steps: int, zero_group=None):
+    """AdamW and its schedule. With `zero_group` (ZeRO-1) each rank of that group keeps the optimizer
+    state of its share of the parameters only and broadcasts its updated parameters."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms: decaying them only hurts
@@ -23,7 +25,15 @@ def build_optimizer(params, o, total_steps: int):
               {"params": no_decay, "weight_decay": 0.0}]
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
             "auto": {"fused": True}}[o.impl]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
+    if zero_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=zero_group, weight_decay=o.weight_decay, **kwargs)
+        opt.add_param_group(groups[1])
+    else:
+        opt = torch.optim.AdamW(groups, **kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, o.warmup_steps, total_steps, o.min_lr_ratio))
     return opt, sched

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import traceback
 from pathlib import Path
 
 from hpctrain.compose import load
 from hpctrain.dist.bootstrap import BootstrapError, detect, init
+from hpctrain.launch.requeue import requeue
 from hpctrain.layout import layout_of
 from hpctrain.preempt import Preemption
 
@@ -57,9 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         device = init(de, backend_for(cfg), cfg.launcher.timeout_s, cfg.train.threads)
+        log.info("rank %d of %d on %s (launcher %s, backend %s, device %s)", de.rank, de.world,
+                 socket.gethostname(), de.launcher, backend_for(cfg), device)
         outcome = Trainer(cfg, str(run_dir), device).fit(preemption)
         if de.rank == 0:
             log.info("%s at step %d", outcome.status, outcome.step)
+            if outcome.status == "preempted" and de.launcher == "slurm":
+                # Every rank's shards are committed (the save ends in a barrier): safe to requeue.
+                requeue(os.environ, cfg.cluster.max_requeues)
     except (BootstrapError, NoUsableCheckpoint, SaveFailed) as e:
         log.error("%s", e)
         return 2

@@ -38,14 +38,19 @@ class Outcome:
     checkpoint: str | None = None
 
 
-def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
-    """The global gradient norm over every rank's shard; clips in place when max_norm > 0."""
+def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """The global gradient norm over every shard on every mesh dimension (data, tensor, and the
+    pipeline stages of other ranks); clips in place when max_norm > 0."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # the sum of squares over all shards
+        norm = norm.full_tensor()  # sums squares over the data and tensor dimensions
+    if pp_group is not None:
+        sq = norm.float() ** 2
+        dist.all_reduce(sq, group=pp_group)  # each stage holds different parameters
+        norm = sq.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
@@ -63,9 +68,14 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         model = build_meta(args)
         init = partial(lambda a, name, t, gen: init_param_(name, t, a, gen), args)
-        self.model = parallelize(model, self.meshes, cfg, device, init)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.optim, cfg.train.steps)
+        self.par = parallelize(model, self.meshes, cfg, device, init)
+        self.parts = self.par.parts
+        self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(
+            self.params, cfg.optim, cfg.train.steps,
+            zero_group=self.dp_mesh.get_group() if cfg.parallel.zero == 1 else None)
+        self.pp_group = self.meshes.world["pp"].get_group() if cfg.parallel.pp > 1 else None
+        self.schedule = self._pipeline_schedule() if self.pp_group is not None else None
 
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
                                    self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
@@ -82,7 +92,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "layout": self.layout.__dict__}
 
     def save(self, blocking: bool = True) -> None:
-        self.ckpt.save(self.step, self.model, self.optimizer, self._extra_state(), blocking=blocking)
+        self.ckpt.save(self.step, self.parts, self.optimizer, self._extra_state(), blocking=blocking)
 
     def resume(self, warn) -> None:
         """Continue from the newest complete checkpoint in the run directory, if there is one."""
@@ -94,7 +104,7 @@ class Trainer:
                     "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
                     "or drop checkpoint.resume=false to continue that run")
             return
-        info = self.ckpt.load_latest(self.model, self.optimizer, warn)
+        info = self.ckpt.load_latest(self.parts, self.optimizer, warn)
         if info is None:
             return
         self.step = info["step"]
@@ -107,35 +117,79 @@ class Trainer:
         self.resumed_from = self.step
         self.ckpt.last_saved = self.step
 
+    # ------------------------------------------------------------ one step
+
     def _sync_context(self, last: bool):
         """Reduce gradients only on the last micro-batch of a step."""
-        m = self.model
+        m = self.parts[0]
         if hasattr(m, "no_sync"):  # DDP
             return contextlib.nullcontext() if last else m.no_sync()
         if hasattr(m, "set_requires_gradient_sync"):  # FSDP2
             m.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        micro = self.sampler.next_step()
+    def _loss_context(self):
+        """With tensor parallel the logits stay split over the vocabulary (loss parallel)."""
+        if self.cfg.parallel.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _pipeline_schedule(self):
+        from torch.distributed.pipelining import PipelineStage
+
+        from hpctrain.parallel.pipeline import build_schedule
+
+        stages = [PipelineStage(part, s, self.par.num_stages, self.device, group=self.pp_group)
+                  for part, s in zip(self.parts, self.par.stage_indices)]
+        per_rank = self.cfg.train.global_batch // self.dp_mesh.size()
+        return build_schedule(stages, self.cfg.parallel.pp_schedule, per_rank // self.cfg.train.micro_batch,
+                              self.loss_fn)
+
+    def _forward_backward(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._sync_context(i == len(micro) - 1), torch.autocast(
+            with self._sync_context(i == len(micro) - 1), self._loss_context(), torch.autocast(
                     self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                logits = self.model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / len(micro)
+                loss = self.loss_fn(self.parts[0](x), y) / len(micro)
                 loss.backward()
-            loss_sum += loss.detach()
-        norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip)
+            loss_sum += _plain(loss.detach())
+        return loss_sum
+
+    def _pipeline_forward_backward(self, micro) -> torch.Tensor:
+        x = torch.cat([m[0] for m in micro]).to(self.device)
+        y = torch.cat([m[1] for m in micro]).to(self.device)
+        losses: list = []
+        args = (x,) if self.par.first else ()
+        with self._loss_context():
+            self.schedule.step(*args, target=y if self.par.last else None, losses=losses)
+        # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
+        loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
+                else torch.zeros((), device=self.device))
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        micro = self.sampler.next_step()
+        if self.schedule is not None:
+            loss = self._pipeline_forward_backward(micro)
+        else:
+            loss = self._forward_backward(micro)
+        norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
         # Every data-parallel rank saw different samples: the step's loss is their mean.
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-        return loss_sum, norm
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        return loss, norm
 
     def fit(self, preemption: Preemption | None = None) -> Outcome:
         cfg = self.cfg
@@ -194,6 +248,13 @@ class Trainer:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_rss_bytes()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a (replicated) DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def truncate_metrics(run_dir: str, step: int) -> None:

@@ -120,7 +120,7 @@ def test_refused_message_names_key_and_fix(case):
 
 
 def test_all_problems_reported_at_once():
-    msg = refusal("train.precision=fp8", "train.global_batch=10", "parallel.zero=2")
+    msg = refusal("train.precision=fp8", "train.global_batch=10", "parallel.zero=5")
     assert_mentions(msg, "3 problems", "train.precision", "train.global_batch", "parallel.zero")
 
 

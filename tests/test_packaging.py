@@ -20,3 +20,17 @@ def test_conf_dir_holds_every_group():
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
     assert {"model", "parallel", "optim", "data", "checkpoint", "launcher", "cluster", "offload",
             "experiment"} <= groups
+
+
+def test_wheel_carries_conf(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("hpctrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("hpctrain/conf/config.yaml", "hpctrain/conf/model/tiny.yaml", "hpctrain/conf/experiment/70b.yaml",
+              "hpctrain/dist/bootstrap.py", "hpctrain/checkpoint/manager.py"):
+        assert f in names, f

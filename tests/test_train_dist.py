@@ -1,6 +1,8 @@
 """Multi-rank training on CPU/gloo against the single-process reference, through the real CLI."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hpctrain.compose import compose
@@ -44,3 +46,26 @@ def test_tiny_experiment_loss_falls(tmp_path):
     assert first > 5.0  # ~ln(256) at initialization
     assert last < 0.5 * first, [r["loss"] for r in rows]
     assert "step 30/30" in proc.stdout and "tok/s" in proc.stdout and "eta" in proc.stdout
+
+
+def test_bf16_mixed_precision_tracks_fp32(tmp_path, reference):
+    """bf16 compute with fp32 master weights and fp32 gradient reduction stays near the fp32 run."""
+    run_cli(*COMMON, "train.precision=bf16", f"run.dir={tmp_path}")
+    got = [r["loss"] for r in read_metrics(tmp_path)]
+    ref_loss, _ = reference
+    for step, (a, b) in enumerate(zip(got, ref_loss), 1):
+        assert abs(a - b) <= 3e-2 * max(1.0, abs(b)), (step, a, b)
+
+
+def test_token_shards_train_with_tensorboard(tmp_path):
+    import sysconfig
+
+    shards = tmp_path / "shards"
+    src = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    run_cli(str(src), str(shards), module="hpctrain.data.prepare")
+    run = tmp_path / "run"
+    run_cli("+experiment=tiny", "data=shards", f"data.path={shards}", "data.seq_len=32", "train.steps=4",
+            "train.tensorboard=true", f"run.dir={run}")
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain.checkpoint import rng, store
 from hpctrain.faults import wrap_writer
+from hpctrain.parallel.state import checkpoint_state, load_checkpoint_state
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 
@@ -41,13 +41,6 @@ class Pending:
     step: int
     info: dict
     started: float
-
-
-def tensor_state(model, optimizer) -> tuple[dict, list]:
-    """What DCP saves and loads: {"model": ..., "optim": ...}, plus the optimizer's param groups
-    (hyperparameters, which come from the config and stay out of the checkpoint)."""
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd["state"]}, osd["param_groups"]
 
 
 def expected_shapes(state: dict) -> dict[str, tuple]:
@@ -79,8 +72,9 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, step: int, model, optimizer, extra: dict, blocking: bool = True) -> None:
-        """All ranks call this together. `extra` is JSON: step, tokens, data position, schedule."""
+    def save(self, step: int, parts, optimizer, extra: dict, blocking: bool = True) -> None:
+        """All ranks call this together. `parts`: this rank's model parts (pipeline stages).
+        `extra` is JSON: step, tokens, data position, schedule."""
         self.wait()
         t0 = time.perf_counter()
         self._check_space(step)
@@ -90,7 +84,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         dist.barrier()
         rng.save(tmp, self.rank)
-        state, _ = tensor_state(model, optimizer)
+        state = checkpoint_state(parts, optimizer)
         info = {"step": step, "world_size": self.world, "time": time.time(), **extra,
                 "config": self.config_dict, "torch": torch.__version__}
         writer = wrap_writer(dcp.FileSystemWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
@@ -186,7 +180,7 @@ class CheckpointManager:
             return chosen
         return complete[::-1]
 
-    def load_latest(self, model, optimizer, on_warning: Callable[[str], None]) -> Optional[dict]:
+    def load_latest(self, parts, optimizer, on_warning: Callable[[str], None]) -> Optional[dict]:
         """Load the newest usable checkpoint into model and optimizer; returns its info, or None
         when the run directory holds none. Damaged ones are skipped with a warning naming the fault."""
         for path in store.list_incomplete(self.root):
@@ -195,8 +189,8 @@ class CheckpointManager:
         cands = self.candidates()
         if not cands:
             return None
-        state, groups = tensor_state(model, optimizer)
-        wanted = expected_shapes(state)
+        state = checkpoint_state(parts, optimizer)
+        wanted = self._all_shapes(expected_shapes(state))
         problems = []
         for step, path in cands:
             verdict = self._verify(path, wanted)
@@ -208,8 +202,7 @@ class CheckpointManager:
                         raise
                     verdict = f"loading failed: {_first_line(e)}"
             if verdict is None:
-                set_state_dict(model, optimizer, model_state_dict=state["model"],
-                               optim_state_dict={"state": state["optim"], "param_groups": groups})
+                load_checkpoint_state(parts, optimizer, state)
                 info = store.read_info(path)
                 rng.load(path, self.rank, info.get("world_size") == self.world)
                 if problems:
@@ -221,6 +214,15 @@ class CheckpointManager:
         raise NoUsableCheckpoint("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(problems)
                                  + "\nFix: delete the damaged checkpoints to start afresh, or point "
                                    "checkpoint.load_step at a good one")
+
+    def _all_shapes(self, mine: dict) -> dict:
+        """Every rank's expected tensors (pipeline stages and ZeRO-1 owners differ per rank)."""
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        out = {}
+        for d in gathered:
+            out.update(d)
+        return out
 
     def _verify(self, path: Path, wanted: dict) -> Optional[str]:
         """Rank 0 checks the files; everyone gets its verdict (the same on every rank)."""

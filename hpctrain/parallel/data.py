@@ -1,4 +1,5 @@
-"""Data parallel: DDP (ZeRO-0) or FSDP2 (ZeRO-3, HSDP when the mesh has a replicate dimension)."""
+"""Data parallel: DDP (ZeRO-0 and, with a sharded optimizer, ZeRO-1) or FSDP2 (ZeRO-2 and -3; HSDP
+when the mesh has a replicate dimension)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.layers.values())
+    if not blocks:  # a pipeline stage with only the embedding or the output
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        return model
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp,

@@ -1,0 +1,189 @@
+"""Slurm input that would fail late, refused on the login node: time limits and partition shapes.
+
+`time_problems(cfg)` is pure. `partition_problems(cfg, sinfo_text)` is pure too; `partition_facts()`
+asks the live cluster (`sinfo`, with a timeout) and returns None where there is no sinfo or it does
+not answer, in which case the partition checks are skipped: sbatch itself refuses what is left.
+Messages name the key and a fix, like every check in `hpctrain.check`.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Optional
+
+SLURM_LAUNCHERS = ("slurm", "sbatch")
+# Slurm delivers `--signal=<sig>@<lead>` up to this many seconds before the lead (its resolution).
+SIGNAL_RESOLUTION_S = 60
+# What a run needs at least between its start and the earliest signal: imports, rendezvous, a step.
+MIN_WORK_S = 60
+MAX_SIGNAL_LEAD_S = 65535  # Slurm keeps the lead in 16 bits
+UNLIMITED = ("infinite", "unlimited")
+TIME_FORMATS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+SINFO_FORMAT = "%P|%N|%c|%G|%l"  # with -N: one line per (partition, node)
+
+
+def parse_time(text: Any) -> Optional[int]:
+    """A Slurm time limit (`--time`) in seconds; 0 for no limit ("0", "infinite", "unlimited").
+    Raises ValueError for anything sbatch would not take. Like sbatch, fields above 59 are accepted
+    (`90:00` is 90 minutes); unlike it, negative values (sbatch reads them as no limit) are not."""
+    s = str(text)
+    if s.lower() in UNLIMITED:
+        return 0
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", s)
+    if not m:
+        raise ValueError(s)
+    days, a, b, c = m.groups()
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, mi, se = int(a), int(b or 0), int(c or 0)
+        d = int(days)
+    elif c is not None:  # HH:MM:SS
+        d, h, mi, se = 0, int(a), int(b), int(c)
+    elif b is not None:  # MM:SS
+        d, h, mi, se = 0, 0, int(a), int(b)
+    else:  # minutes
+        d, h, mi, se = 0, 0, int(a), 0
+    return ((d * 24 + h) * 60 + mi) * 60 + se
+
+
+def minutes(text: Any) -> int:
+    """The time limit in whole minutes, as Slurm keeps it (seconds round up); 0 = no limit."""
+    return math.ceil(parse_time(text) / 60)
+
+
+def fmt(seconds: int) -> str:
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def time_problems(cfg: Any) -> list[str]:
+    c = cfg.cluster
+    out = []
+    lead = c.signal_lead_s
+    if not 1 <= lead <= MAX_SIGNAL_LEAD_S:
+        out.append(f"cluster.signal_lead_s={lead} must lie in 1..{MAX_SIGNAL_LEAD_S}: it is how many seconds "
+                   "before the time limit Slurm sends USR2 so that all ranks can save. Fix: cluster.signal_lead_s=120")
+        lead = None
+    try:
+        limit = parse_time(c.time)
+    except ValueError:
+        out.append(f"cluster.time={c.time!r} is not a Slurm time limit ({TIME_FORMATS}). "
+                   "Fix: e.g. cluster.time=01:00:00 for one hour, cluster.time=2-00:00:00 for two days")
+        return out
+    if lead is not None and limit:
+        need = lead + SIGNAL_RESOLUTION_S + MIN_WORK_S
+        if limit < need:
+            out.append(f"cluster.time={c.time} ({limit} s) is too short for cluster.signal_lead_s={lead}: Slurm "
+                       f"sends USR2 {lead} s before the limit and up to {SIGNAL_RESOLUTION_S} s earlier still, "
+                       f"which leaves less than {MIN_WORK_S} s to train. Fix: cluster.time={fmt(need)} or longer, "
+                       "or a smaller cluster.signal_lead_s")
+    return out
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    nodes: tuple  # (cpus, gpus) per node
+    max_time_s: int  # 0 = no limit
+
+
+def gpus_of(gres: str) -> int:
+    """GPUs per node from sinfo's %G: `gpu:8`, `gpu:h100:8(S:0-1)`, `gpu:a100:4,gpu:v100:2`, `(null)`."""
+    gres = re.sub(r"\([^)]*\)", "", gres or "")
+    total = 0
+    for item in gres.split(","):
+        parts = item.strip().split(":")
+        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def parse_sinfo(text: str) -> dict[str, Partition]:
+    """`sinfo -h -N -o '%P|%N|%c|%G|%l'` output -> partitions by name."""
+    rows: dict[str, dict] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        part, node, cpus, gres, limit = fields
+        default = part.endswith("*")
+        name = part.rstrip("*")
+        row = rows.setdefault(name, {"default": default, "nodes": {}, "limit": limit})
+        row["nodes"][node] = (int(cpus) if cpus.isdigit() else 0, gpus_of(gres))
+    out = {}
+    for name, row in rows.items():
+        try:
+            max_time = parse_time(row["limit"])
+        except ValueError:
+            max_time = 0
+        out[name] = Partition(name, row["default"], tuple(row["nodes"].values()), max_time)
+    return out
+
+
+def partition_facts(timeout_s: float = 10.0) -> Optional[dict[str, Partition]]:
+    """The live cluster's partitions, or None without a working sinfo."""
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return None
+    try:
+        proc = subprocess.run([sinfo, "-h", "-N", "-o", SINFO_FORMAT], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return parse_sinfo(proc.stdout) or None
+
+
+def partition_problems(cfg: Any, partitions: dict[str, Partition]) -> list[str]:
+    c = cfg.cluster
+    names = ", ".join(sorted(partitions))
+    if c.partition is None:
+        defaults = [p for p in partitions.values() if p.default]
+        if not defaults:
+            return [f"cluster.partition is unset and this cluster has no default partition. "
+                    f"Fix: cluster.partition=<one of {names}>"]
+        part = defaults[0]
+        key = f"the default partition ({part.name})"
+    elif c.partition not in partitions:
+        return [f"cluster.partition={c.partition}: no such partition on this cluster (sinfo lists {names}). "
+                f"Fix: cluster.partition={sorted(partitions, key=lambda n: not partitions[n].default)[0]}"]
+    else:
+        part = partitions[c.partition]
+        key = f"cluster.partition={part.name}"
+    out = []
+    gpus = c.gpus_per_node
+    tasks = gpus if gpus > 0 else c.tasks_per_node
+    cpus = tasks * c.cpus_per_task
+    task_key = (f"cluster.gpus_per_node={gpus}" if gpus > 0 else f"cluster.tasks_per_node={tasks}")
+    max_cpus = max((n[0] for n in part.nodes), default=0)
+    max_gpus = max((n[1] for n in part.nodes), default=0)
+    fitting = sum(1 for n_cpus, n_gpus in part.nodes if n_cpus >= cpus and n_gpus >= gpus)
+    if gpus > max_gpus:
+        out.append(f"{task_key} but no node of {key} has more than {max_gpus} GPUs. "
+                   f"Fix: cluster.gpus_per_node={max_gpus}" + (" (or 0 for CPU tasks)" if max_gpus else
+                                                               " and set cluster.tasks_per_node instead"))
+    elif cpus > max_cpus:
+        fix_tasks = max(1, max_cpus // max(1, c.cpus_per_task))
+        out.append(f"{task_key} x cluster.cpus_per_task={c.cpus_per_task} = {cpus} CPUs per node, but no node "
+                   f"of {key} has more than {max_cpus} CPUs. Fix: at most {fix_tasks} task(s) per node "
+                   f"({'cluster.gpus_per_node' if gpus else 'cluster.tasks_per_node'}={fix_tasks}), "
+                   "or fewer cluster.cpus_per_task")
+    elif c.nodes > len(part.nodes):
+        out.append(f"cluster.nodes={c.nodes} but {key} has only {len(part.nodes)} nodes. "
+                   f"Fix: cluster.nodes={len(part.nodes)} (or fewer), or another partition")
+    elif c.nodes > fitting:
+        out.append(f"cluster.nodes={c.nodes} but only {fitting} nodes of {key} have {cpus} CPUs"
+                   f"{f' and {gpus} GPUs' if gpus else ''} free for {tasks} tasks. "
+                   f"Fix: cluster.nodes={fitting} (or fewer), or fewer tasks per node")
+    try:
+        limit = parse_time(c.time)
+    except ValueError:
+        limit = None  # time_problems says so
+    if limit is not None and part.max_time_s and (limit == 0 or limit > part.max_time_s):
+        out.append(f"cluster.time={c.time} exceeds the time limit of {key} ({fmt(part.max_time_s)}). "
+                   f"Fix: cluster.time={fmt(part.max_time_s)} or less (the run resumes after a requeue)")
+    return out

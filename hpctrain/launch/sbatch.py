@@ -1,0 +1,157 @@
+"""launcher=sbatch: a self-contained batch script the user submits with plain `sbatch`.
+
+`sbatch_script(cfg, run_dir, python)` is pure (same input, same text; it reads no environment): the
+`#SBATCH` lines ask for what launcher=slurm would (nodes x tasks, `--signal=USR2@<lead>` to every
+task, `--requeue`, `--open-mode=append`, logs in <run_dir>/logs/slurm-<jobid>.out), the body runs
+cluster.setup as written, exports cluster.env and starts one `python -m hpctrain.run <run_dir>`
+per rank with srun. Preemption and requeue are handled inside the run (rank 0 requeues the job
+after the collective save), so the script has no logic of its own for them.
+
+Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does; it takes shell-like
+quotes and reads a backslash as an escape even inside single quotes, so values are written as
+shlex.quote() of the value with backslashes doubled (checked against sbatch 22.05). A newline
+cannot be written in a `#SBATCH` line at all and is refused. Everything in the body that comes from
+the config is shlex.quote()d, except cluster.setup, which is the user's own shell.
+
+`python -m hpctrain ... launcher=sbatch` writes <run_dir>/job.sbatch and prints the `sbatch` command;
+with dry_run=true it prints the script it would write and writes nothing (no run directory either).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+from hpctrain.compose import ConfigError
+
+SCRIPT_NAME = "job.sbatch"
+_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNWRITABLE = ("\n", "\r", "\0")
+
+
+def tasks_per_node(cluster: Any) -> int:
+    """One task per GPU where the nodes have GPUs, else cluster.tasks_per_node."""
+    return cluster.gpus_per_node if cluster.gpus_per_node > 0 else cluster.tasks_per_node
+
+
+def extra_options(extra: Any) -> dict[str, Any]:
+    """cluster.sbatch_extra as sbatch long options: `mail_type` -> `mail-type`; True -> a bare flag,
+    False/None -> left out."""
+    out: dict[str, Any] = {}
+    for key, value in dict(extra or {}).items():
+        name = str(key).lstrip("-").replace("_", "-")
+        if value is None or value is False:
+            continue
+        out[name] = value
+    return out
+
+
+def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
+    """The `#SBATCH` options as an ordered mapping (value True = bare flag)."""
+    c = cfg.cluster
+    d: dict[str, Any] = {"job-name": cfg.run.name, "nodes": c.nodes, "ntasks-per-node": tasks_per_node(c)}
+    if c.gpus_per_node > 0:
+        d["gpus-per-node"] = c.gpus_per_node
+    d["cpus-per-task"] = c.cpus_per_task
+    for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
+        if c[key] is not None:
+            d[key] = c[key]
+    d["signal"] = f"USR2@{c.signal_lead_s}"  # no B:, so that every task gets it, not only the batch shell
+    d["requeue"] = True
+    d["open-mode"] = "append"  # a requeued job appends to the same log
+    log = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"  # %% = a literal % for Slurm
+    d["output"] = log
+    d["error"] = log
+    d.update(extra_options(c.sbatch_extra))
+    return d
+
+
+def problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
+    """What cannot be written into the script: messages that name the key and the fix."""
+    out = []
+    c = cfg.cluster
+    values = {"run.name": cfg.run.name, "run.dir": run_dir if run_dir is not None else cfg.run.dir}
+    for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
+        values[f"cluster.{key}"] = c[key]
+    for key, value in dict(c.sbatch_extra or {}).items():
+        if not _OPTION.fullmatch(str(key).lstrip("-")):
+            out.append(f"cluster.sbatch_extra has the key {str(key)!r}, which is not an sbatch option name. "
+                       "Fix: use the long option without dashes, e.g. +cluster.sbatch_extra.mail-type=END")
+        values[f"cluster.sbatch_extra.{key}"] = value
+    for key, value in values.items():
+        if value is not None and not isinstance(value, bool) and any(ch in str(value) for ch in _UNWRITABLE):
+            out.append(f"{key}={str(value)!r} holds a line break, which cannot be written into an #SBATCH line "
+                       f"(sbatch would read the rest as a new line). Fix: give {key} on one line")
+    if "\\" in str(values["run.dir"]):
+        out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
+                   "name. Fix: choose a run.dir without backslashes")
+    for key in dict(c.env or {}):
+        if not _ENV_NAME.fullmatch(str(key)):
+            out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
+                       "Fix: use letters, digits and _ (not starting with a digit)")
+    return out
+
+
+def _flag(name: str, value: Any) -> str:
+    if value is True:
+        return f"#SBATCH --{name}"
+    return f"#SBATCH --{name}={shlex.quote(str(value).replace(chr(92), chr(92) * 2))}"
+
+
+def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
+    """`export` lines for the job's environment: hpctrain's source (when run from a checkout), then
+    cluster.env, every value quoted."""
+    lines = []
+    if pythonpath:
+        lines.append(f"export PYTHONPATH={shlex.quote(pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    for key, value in dict(cfg.cluster.env or {}).items():
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        lines.append(f"export {key}={shlex.quote(text)}")
+    return lines
+
+
+def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> str:
+    """The batch script for this run. Raises ConfigError for values it cannot write safely."""
+    found = problems(cfg, run_dir)
+    if found:
+        raise ConfigError("cannot write the sbatch script:\n" + "\n".join(f"  - {p}" for p in found))
+    c = cfg.cluster
+    lines = ["#!/bin/bash",
+             f"# hpctrain run {cfg.run.name}: submit with `sbatch {shlex.quote(str(Path(run_dir) / SCRIPT_NAME))}`.",
+             "# Written by `python -m hpctrain ... launcher=sbatch`; a requeued job reruns this script and",
+             "# resumes from the newest complete checkpoint in the run directory."]
+    lines += [_flag(k, v) for k, v in directives(cfg, run_dir).items()]
+    lines += ["", "set -euo pipefail"]
+    if c.setup:
+        # The user's own shell, as written. Without -u: module and conda scripts read unset variables.
+        lines += ["", "# cluster.setup", "set +u", *[str(s) for s in c.setup], "set -u"]
+    env = exports(cfg, pythonpath)
+    if env:
+        lines += ["", "# environment: hpctrain's source, cluster.env", *env]
+    srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}",
+            python, "-m", "hpctrain.run", str(run_dir)]
+    lines += ["",
+              f"# {c.nodes} node(s) x {tasks_per_node(c)} task(s): one rank per task. srun of Slurm 22.05+",
+              "# does not inherit --cpus-per-task from the allocation, hence given again.",
+              " ".join(shlex.quote(a) for a in srun), ""]
+    return "\n".join(lines)
+
+
+def source_root() -> Optional[str]:
+    """The checkout hpctrain runs from (to put on the job's PYTHONPATH), or None when installed."""
+    root = Path(__file__).resolve().parent.parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "conf" / "config.yaml").is_file():
+        return str(root)
+    return None
+
+
+def write_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> Path:
+    path = Path(run_dir) / SCRIPT_NAME
+    text = sbatch_script(cfg, str(run_dir), python, pythonpath)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,18 @@
+"""Activation checkpointing: keep only each block's input, recompute the rest in backward.
+
+full: every block; selective: every `every`-th block (trading some memory for less recompute).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def apply_ac(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full" or (mode == "selective" and i % every == 0):
+            # Non-reentrant: composes with FSDP2 and DTensor; the wrapper's prefix is stripped from
+            # state dicts, so checkpoints keep the plain names.
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model

@@ -1,0 +1,46 @@
+"""Tensor parallel with sequence parallel (Megatron-style), as a plan over the plain Llama.
+
+Attention and MLP: the first projections split their output features (Colwise), the last ones their
+input features (Rowwise), so each block needs one all-gather in and one reduce-scatter out.
+Between blocks the activations stay split along the sequence (sequence parallel), so norms and
+residuals hold 1/tp of the activations. The output projection splits the vocabulary and the loss is
+computed on the split logits (loss parallel), never materializing the full logits on one rank.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+
+def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    root_plan = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                              output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                              use_local_output=not loss_parallel)
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model
