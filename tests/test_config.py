@@ -105,7 +105,7 @@ REFUSED = {
     "heads-not-divisible-by-kv-heads": (("model.n_kv_heads=3",),
                                         ("model.n_heads=4", "model.n_kv_heads=3", "not divisible")),
     "global-batch": (("train.global_batch=10",),
-                     ("train.global_batch=10", "train.micro_batch=8", "Fix: train.global_batch=16")),
+                     ("train.global_batch=10", "train.micro_batch=4", "Fix: train.global_batch=8")),
     "shards-without-path": (("data=shards",), ("data.path", "python -m hpctrain.data.prepare", "data.path=<out dir>")),
     "shards-missing-dir": (("data=shards", "data.path=/nonexistent/hpctrain-shards"),
                            ("data.path=/nonexistent/hpctrain-shards", "Fix:", "hpctrain.data.prepare")),

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     assert "torch" not in sys.modules, "importing hpctrain.__main__ imported torch"
     for overrides in (["+experiment=tiny"], ["+experiment=tiny", "model=70b"],
                       ["model=70b", "launcher.name=slurm", "cluster.nodes=8", "cluster.gpus_per_node=8",
-                       "train.global_batch=128", "train.micro_batch=1"]):
+                       "train.global_batch=128", "train.micro_batch=1", "dry_run=true"]):
         cfg = compose(overrides)
         check(cfg)
         launch_problems(cfg)

@@ -1,0 +1,180 @@
+"""Checkpoint save/load throughput against the disk's own sequential bandwidth, measured in the
+same run, and how long an async save blocks the loop compared with a synchronous one.
+
+    python benchmarks/checkpoint.py [--reps 3] [--dim 512 --layers 12 --vocab 16384] [--dir DIR]
+
+The disk baseline writes and reads the same number of bytes with O_DIRECT (no page cache), 8 MiB
+requests from 4 threads, like fio's sequential job at queue depth 4. Checkpoint loads are timed
+after dropping the page cache where the kernel lets us (root outside a restricted container).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CHUNK = 8 << 20
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _direct_io(path: Path, nbytes: int, write: bool, threads: int = 4) -> float:
+    """Seconds to write (or read) nbytes sequentially with O_DIRECT, split over `threads` regions."""
+    flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
+    fd = os.open(path, flags, 0o644)
+    per = (nbytes // threads // CHUNK) * CHUNK
+    bufs = [mmap.mmap(-1, CHUNK) for _ in range(threads)]  # page-aligned, as O_DIRECT requires
+    for b in bufs:
+        b.write(os.urandom(1 << 20) * (CHUNK >> 20))
+
+    def worker(i: int) -> None:
+        off, end = i * per, (i + 1) * per
+        while off < end:
+            n = os.pwritev(fd, [bufs[i]], off) if write else os.preadv(fd, [bufs[i]], off)
+            off += n
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if write:
+        os.fsync(fd)
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    return dt
+
+
+def disk_baseline(d: Path, nbytes: int) -> dict:
+    f = d / "disk-baseline.bin"
+    w = _direct_io(f, nbytes, write=True)
+    r = _direct_io(f, nbytes, write=False)
+    f.unlink()
+    n = (nbytes // 4 // CHUNK) * CHUNK * 4
+    return {"write_gbps": n / w / 1e9, "read_gbps": n / r / 1e9}
+
+
+# ----------------------------------------------------------------- the ranks' side
+
+def worker(run_dir: Path, out: Path, overrides: list[str], reps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.compose import compose
+    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.train import Trainer
+
+    cfg = compose([*overrides, f"run.dir={run_dir}"])
+    init(detect(), "gloo", 600, 1)
+    t = Trainer(cfg, str(run_dir), torch.device("cpu"))
+    t.train_step()  # the optimizer state exists from the first step on
+    rank = dist.get_rank()
+    res = {"sync_s": [], "async_blocked_s": [], "async_total_s": [], "load_s": [], "bytes": 0,
+           "dropped_cache": False}
+    step = 1
+    for _ in range(reps):
+        for mode in ("sync", "async"):
+            step += 1
+            t.step = step
+            dist.barrier()
+            t0 = time.perf_counter()
+            t.save(blocking=(mode == "sync"))
+            blocked = time.perf_counter() - t0
+            t.ckpt.wait()
+            dist.barrier()
+            total = time.perf_counter() - t0
+            if mode == "sync":
+                res["sync_s"].append(total)
+            else:
+                res["async_blocked_s"].append(blocked)
+                res["async_total_s"].append(total)
+        dist.barrier()
+        if rank == 0:
+            res["dropped_cache"] = drop_caches()
+        dist.barrier()
+        t0 = time.perf_counter()
+        t.ckpt.load_latest(t.parts, t.optimizer, print)
+        dist.barrier()
+        res["load_s"].append(time.perf_counter() - t0)
+    if rank == 0:
+        from hpctrain.checkpoint import store
+
+        newest = store.list_complete(t.ckpt.root)[-1][1]
+        res["bytes"] = store.disk_usage(newest)
+        out.write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--threads", type=int, default=4, help="checkpoint.threads (writer threads per rank)")
+    ap.add_argument("--dir", type=Path, default=REPO / "outputs" / "bench" / "checkpoint")
+    ap.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    overrides = ["+experiment=tiny", "launcher.nproc=2", f"model.dim={a.dim}", f"model.n_layers={a.layers}",
+                 "model.n_heads=8", "model.n_kv_heads=4", f"model.ffn_dim={4 * a.dim}",
+                 f"model.vocab_size={a.vocab}", "data.seq_len=32", "train.global_batch=2", "train.micro_batch=1",
+                 "checkpoint.keep=1", f"checkpoint.threads={a.threads}"]
+    if a.worker:
+        worker(a.worker[0], a.worker[1], overrides, a.reps)
+        return 0
+
+    from hpctrain.launch.local import launch
+
+    run_dir = a.dir / "run"
+    subprocess.run(["rm", "-rf", str(run_dir)])
+    run_dir.mkdir(parents=True)
+    out = a.dir / "ranks.json"
+    before = disk_baseline(a.dir, 512 << 20)
+    rc = launch(run_dir, 2, cmd=[sys.executable, __file__, "--worker", str(run_dir), str(out)])
+    if rc != 0:
+        raise SystemExit(f"benchmark ranks failed: see {run_dir}/logs")
+    res = json.loads(out.read_text())
+    after = disk_baseline(a.dir, max(512 << 20, res["bytes"]))
+    disk_w = statistics.median([before["write_gbps"], after["write_gbps"]])
+    disk_r = statistics.median([before["read_gbps"], after["read_gbps"]])
+    gb = res["bytes"] / 1e9
+    save = gb / statistics.median(res["sync_s"])
+    load = gb / statistics.median(res["load_s"])
+    blocked = statistics.median(res["async_blocked_s"]) / statistics.median(res["sync_s"])
+    summary = {"checkpoint_gb": gb, "disk_write_gbps": disk_w, "disk_read_gbps": disk_r,
+               "save_gbps": save, "load_gbps": load, "save_over_disk": save / disk_w, "load_over_disk": load / disk_r,
+               "async_blocked_over_sync": blocked, "load_after_cache_drop": res["dropped_cache"],
+               "disk": {"before": before, "after": after}, "ranks": res, "threads": a.threads}
+    (a.dir / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"checkpoint: {gb:.3f} GB over 2 ranks, {a.reps} reps, {a.threads} writer threads per rank")
+    print("| what | GB/s | vs disk |\n|---|---|---|")
+    print(f"| disk write (O_DIRECT, 8 MiB x 4 threads) | {disk_w:.2f} | 1 |")
+    print(f"| checkpoint save (sync, fsync'd) | {save:.2f} | {save / disk_w:.2f} |")
+    print(f"| disk read (O_DIRECT) | {disk_r:.2f} | 1 |")
+    print(f"| checkpoint load{'' if res['dropped_cache'] else ' (page cache NOT dropped)'} | {load:.2f} | {load / disk_r:.2f} |")
+    print(f"async save blocks the loop for {statistics.median(res['async_blocked_s']):.3f} s = "
+          f"{blocked:.2f} of a synchronous save ({statistics.median(res['sync_s']):.3f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
