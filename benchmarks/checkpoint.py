@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--threads", type=int, default=4, help="checkpoint.threads (writer threads per rank)")
+    ap.add_argument("--threads", type=int, default=8, help="checkpoint.threads (writer threads per rank)")
     ap.add_argument("--dir", type=Path, default=REPO / "outputs" / "bench" / "checkpoint")
     ap.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)

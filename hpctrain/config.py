@@ -89,7 +89,7 @@ def _checkpoint_config() -> type:
         "async": (bool, False),  # stage to host memory, write in the background
         "resume": (bool, True),  # resume from the newest complete checkpoint in run.dir
         "load_step": (Optional[int], None),  # resume from this step instead of the newest
-        "threads": (int, 4),  # writer threads per rank: one is far from the disk's bandwidth
+        "threads": (int, 8),  # writer threads per rank: one is far from the disk's bandwidth
     }
     ns = {"__annotations__": {k: t for k, (t, _) in fields.items()}}
     ns.update({k: v for k, (_, v) in fields.items()})

@@ -4,12 +4,16 @@
                                                    save: its shard files are written, the save's
                                                    closing collective and the commit never happen
 
-Users can use it too, to see how their cluster setup recovers from a torn save.
+    HPCTRAIN_FAULT="slow_step:ms=250"             every step takes 250 ms longer (a sleep): lets a
+                                                   tiny run outlast a Slurm signal's arrival
+
+Users can use it too, to see how their cluster setup recovers from a torn save or a time limit.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def _parse(spec: str) -> tuple[str, dict]:
@@ -38,3 +42,9 @@ def wrap_writer(writer, step: int, rank: int):
 
     writer.write_data = write_then_die
     return writer
+
+
+def slow_step() -> None:
+    spec = os.environ.get("HPCTRAIN_FAULT")
+    if spec and spec.startswith("slow_step"):
+        time.sleep(_parse(spec)[1].get("ms", 0) / 1000)

@@ -24,6 +24,7 @@ from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 from hpctrain.optim import build_optimizer
 from hpctrain.parallel import parallelize
 from hpctrain.plan.flops import train_flops_per_token
+from hpctrain.faults import slow_step
 from hpctrain.preempt import Preemption
 from hpctrain.rundir import write_atomic, write_outcome
 
@@ -213,6 +214,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 lr = self.scheduler.get_last_lr()[0]
                 loss, norm = self.train_step()
+                slow_step()
                 loss_v, norm_v = loss.item(), float(norm)  # .item() waits for the step to finish
                 dt = time.perf_counter() - t0
                 losses.append(loss_v)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import re
 import socket
@@ -152,7 +151,6 @@ def recorded_env(env: Mapping[str, str] = os.environ) -> dict[str, str]:
 # Exact, rank-dependent data. A 1-D tensor is filled with a periodic integer pattern through a 2-D
 # view (no temporary the size of the buffer), and checked the same way, in bounded chunks.
 
-_ALL_GATHER = _REDUCE_SCATTER = None  # set by Bench (torch imported lazily)
 PERIOD = 251  # prime: chunks of different ranks never line up by accident
 
 
@@ -227,11 +225,10 @@ class Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cuda = device.type == "cuda"
         self.barrier_kw = {"device_ids": [device.index]} if backend == "nccl" and device.index is not None else {}
-        global _ALL_GATHER, _REDUCE_SCATTER
         # all_gather_into_tensor / reduce_scatter_tensor, under the names torch 2.13 gave them
         # (the old names still work there but warn).
-        _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     # small helpers ------------------------------------------------------------------------------
     def _t(self, values: Iterable[int]):
@@ -267,10 +264,10 @@ class Bench:
             return lambda: dist.all_reduce(buf)
         if op == "all_gather":
             inp, out = b["inp"][: n // w], b["out"][:n]
-            return lambda: _ALL_GATHER(out, inp)
+            return lambda: self.all_gather(out, inp)
         if op == "reduce_scatter":
             inp, out = b["inp"][:n], b["out"][: n // w]
-            return lambda: _REDUCE_SCATTER(out, inp)
+            return lambda: self.reduce_scatter(out, inp)
         if op == "all_to_all":
             inp, out = b["inp"][:n], b["out"][:n]
             return lambda: dist.all_to_all_single(out, inp)

@@ -35,6 +35,24 @@ from hpctrain.bench.collectives import OPS, format_size, parse_size
 
 TRAINING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 RANGES = ("small", "medium", "large")
+# Variables a backend never reads: a setting that differs from the baseline only in these is the
+# baseline run again (an A/A replica), whatever its name; its "gain" measures the noise.
+INERT = {"gloo": ("NCCL_", "TORCH_NCCL_"), "nccl": ("GLOO_", "TORCH_GLOO_")}
+
+
+def effective_env(env: Mapping[str, object], backend: str) -> dict:
+    inert = INERT.get(backend, ())
+    return {k: v for k, v in (env or {}).items() if not k.startswith(inert)}
+
+
+def spread(series: Mapping[int, dict], sizes: Sequence[int]) -> float | None:
+    """Median over sizes of (slowest - fastest batch) / median batch: the run's own noise."""
+    xs = []
+    for s in sizes:
+        b = sorted(series.get(s, {}).get("batches_us") or [])
+        if len(b) >= 2 and b[len(b) // 2] > 0:
+            xs.append((b[-1] - b[0]) / b[len(b) // 2])
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 @dataclass
@@ -135,7 +153,8 @@ def split_ranges(sizes: Sequence[int], small_below: int, large_from: int) -> dic
     return out
 
 
-def gain(series: Mapping[int, dict], base: Mapping[int, dict], sizes: Sequence[int]) -> tuple[float | None, float | None]:
+def gain(series: Mapping[int, dict], base: Mapping[int, dict],
+         sizes: Sequence[int]) -> tuple[float | None, float | None]:
     """(geometric mean of busbw ratios to the baseline - 1, mean busbw) over the sizes both have."""
     common = [s for s in sizes if s in series and s in base]
     ratios = [series[s]["busbw_gbps"] / base[s]["busbw_gbps"] for s in common if base[s]["busbw_gbps"] > 0]
@@ -185,30 +204,58 @@ def analyse(data: SweepData, small_below: int = 64 << 10, large_from: int = 16 <
                                   "runner_up": scored[1][2] if len(scored) > 1 else None})
         # The verdict: large messages of the training collectives.
         train_ops = [op for op in TRAINING_OPS if op in ops] or ops
-        ranking = []
+        backend = next((r.get("backend") for (nn, _, _), ser in data.series.items() if nn == n
+                        for r in ser.values()), "")
+        base_eff = effective_env(data.settings.get(data.baseline, {}), backend)
+        replicas = [s for s in settings if s != data.baseline
+                    and effective_env(data.settings.get(s, {}), backend) == base_eff]
+        ranking, spreads = [], {}
         for s in settings:
             gains = [large.get(s, {}).get(op, {}).get("gain") for op in train_ops]
+            sp = [spread(data.series.get((n, s, op), {}),
+                         split_ranges(sorted(data.series.get((n, s, op), {})), small_below, large_from)["large"][0])
+                  for op in train_ops]
+            sp = [x for x in sp if x is not None]
+            spreads[s] = max(sp) if sp else None
             if any(g is None for g in gains):
                 continue  # missing an operation (failed part-way) or no baseline to compare with
             ranking.append((geomean(1 + g for g in gains) - 1, s))
         ranking.sort(reverse=True)
+        noise = max((abs(g) for g, s in ranking if s in replicas), default=None)
+        candidates = [(g, s) for g, s in ranking if s not in replicas and s != data.baseline]
+
+        def needed(s: str) -> float:
+            """The gain a setting must show: the floor, the A/A noise, and both runs' batch spread."""
+            return max([min_gain, noise or 0.0] + [x for x in (spreads.get(data.baseline), spreads.get(s)) if x])
+
         winner, why = data.baseline, ""
-        if ranking:
-            top_gain, top = ranking[0]
-            if top != data.baseline and top_gain >= min_gain:
-                winner = top
-                why = (f"{top} beats the baseline {data.baseline!r} by {top_gain:+.1%} bus bandwidth on large "
-                       f"messages of {', '.join(train_ops)}")
-            elif top != data.baseline:
-                why = (f"the best setting, {top}, is only {top_gain:+.1%} over the baseline {data.baseline!r} "
-                       f"(threshold {min_gain:.0%}): keep the baseline")
+        ops_txt = ", ".join(train_ops)
+        clear = [(g, s) for g, s in candidates if g >= needed(s)]
+        threshold = needed(clear[0][1]) if clear else (needed(candidates[0][1]) if candidates else min_gain)
+        if clear:
+            top_gain, winner = clear[0]
+            why = (f"{winner} beats the baseline {data.baseline!r} by {top_gain:+.1%} bus bandwidth on large messages "
+                   f"of {ops_txt} (needed: {threshold:.1%})")
+        elif candidates:
+            top_gain, top = candidates[0]
+            if top_gain > 0:
+                why = (f"the best setting, {top}, is {top_gain:+.1%} over the baseline {data.baseline!r}, below the "
+                       f"{threshold:.1%} a winner needs here (floor {min_gain:.0%}, noise between identical runs "
+                       f"{_pct(noise)}, batch spread of the two runs): keep the baseline")
             else:
-                why = f"no setting beats the baseline {data.baseline!r} on large messages of {', '.join(train_ops)}"
+                why = f"no setting beats the baseline {data.baseline!r} on large messages of {ops_txt}"
         else:
             why = "no setting has large-message results for every training collective: no verdict"
+        if replicas:
+            one = len(replicas) == 1
+            why += (f"; {', '.join(replicas)} {'differs' if one else 'differ'} from the baseline only in variables "
+                    f"{backend or 'this backend'} does not read, so {'it measures' if one else 'they measure'} the "
+                    f"noise ({_pct(noise)}) and cannot win")
         out["node_counts"][n] = {"shape": data.shape.get(n, ""), "ops": ops, "settings": settings,
                                  "best": best_rows, "large": large, "train_ops": train_ops,
-                                 "ranking": ranking, "winner": winner, "why": why}
+                                 "ranking": ranking, "winner": winner, "why": why, "backend": backend,
+                                 "replicas": replicas, "noise": noise, "threshold": threshold,
+                                 "spread": spreads}
     if node_counts:
         top_n = node_counts[-1]
         v = out["node_counts"][top_n]
@@ -245,22 +292,29 @@ def markdown(data: SweepData, res: dict) -> str:
                   "| op | range | sizes | best setting | busbw | baseline busbw | gain | runner-up |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in v["best"]:
-            lines.append(f"| {r['op']} | {r['range']} | {r['sizes']} ({r['n_sizes']}) | {r['best']} | "
+            tag = " (= baseline)" if r["best"] in v["replicas"] else ""
+            lines.append(f"| {r['op']} | {r['range']} | {r['sizes']} ({r['n_sizes']}) | {r['best']}{tag} | "
                          f"{_bw(r['busbw'])} | {_bw(r['baseline_busbw'])} | {_pct(r['gain'])} | "
                          f"{r['runner_up'] or '-'} |")
         ops = v["ops"]
         lines += ["", "### Large messages, every setting (mean busbw, gain over the baseline)", "",
-                  "| setting | " + " | ".join(ops) + " | training collectives |",
-                  "|---|" + "---|" * len(ops) + "---|"]
+                  "| setting | " + " | ".join(ops) + " | training collectives | batch spread |",
+                  "|---|" + "---|" * len(ops) + "---|---|"]
         rank = {s: g for g, s in v["ranking"]}
         for s in v["settings"]:
             cells = []
             for op in ops:
                 c = v["large"].get(s, {}).get(op)
                 cells.append("-" if not c else f"{_bw(c['busbw'])} ({_pct(c['gain'])})")
-            mark = " **winner**" if s == v["winner"] else (" (baseline)" if s == data.baseline else "")
-            lines.append(f"| {s}{mark} | " + " | ".join(cells) + f" | {_pct(rank.get(s))} |")
-        lines += ["", f"Verdict at this node count: **{v['winner']}** — {v['why']}.", ""]
+            mark = (" (baseline)" if s == data.baseline else "") + (" **winner**" if s == v["winner"] else "")
+            if s in v["replicas"]:
+                mark += " (= baseline)"
+            sp = v["spread"].get(s)
+            lines.append(f"| {s}{mark} | " + " | ".join(cells) + f" | {_pct(rank.get(s))} | "
+                         + ("-" if sp is None else f"{sp:.0%}") + " |")
+        lines += ["", "Batch spread: (slowest - fastest) / median of the timed batches, worst training "
+                      "collective, median over the large sizes. Gains smaller than it are not findings.", "",
+                  f"Verdict at this node count: **{v['winner']}** — {v['why']}.", ""]
     if data.failed:
         lines += ["## Failed settings", ""]
         lines += [f"- {s} on {n} node(s): {why}" for s, n, why in data.failed]
@@ -330,7 +384,14 @@ def plot(data: SweepData, res: dict, out_dir: Path) -> list[Path]:
                 if s == v["winner"] and s != data.baseline:
                     style = {"linewidth": 2.2}
                 label = s + (" (baseline)" if s == data.baseline else "") + (" *" if s == v["winner"] else "")
-                ax.plot(xs, [ser[x]["busbw_gbps"] for x in xs], marker="o", markersize=3, label=label, **style)
+                line, = ax.plot(xs, [ser[x]["busbw_gbps"] for x in xs], marker="o", markersize=3, label=label, **style)
+                # The fastest and slowest timed batch as a band: how far apart identical runs land.
+                band = [(x, ser[x]["busbw_gbps"] * ser[x]["time_us"] / max(ser[x]["batches_us"]),
+                         ser[x]["busbw_gbps"] * ser[x]["time_us"] / min(ser[x]["batches_us"]))
+                        for x in xs if len(ser[x].get("batches_us") or []) > 1 and min(ser[x]["batches_us"]) > 0]
+                if band:
+                    ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band],
+                                    color=line.get_color(), alpha=0.12, linewidth=0)
             ax.set_xscale("log", base=2)
             ticks = sorted({x for s in v["settings"] for x in data.series.get((n, s, op), {})})
             if ticks:
@@ -373,14 +434,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               + ("".join(f"\n  {s} on {n} node(s): {why}" for s, n, why in data.failed)), file=sys.stderr)
         return 1
     res = analyse(data, parse_size(a.small_below), parse_size(a.large_from), a.min_gain)
-    plots = [] if a.no_plots else plot(data, res, root / "plots")
+    plots = []
+    if not a.no_plots:
+        try:
+            plots = plot(data, res, root / "plots")
+        except ImportError:
+            print("hpctrain.bench.report: matplotlib is not installed: no plots (pip install matplotlib, or "
+                  "pip install 'hpctrain[dev]')", file=sys.stderr)
     md = markdown(data, res)
     (root / "report.md").write_text(md)
     (root / "cluster_snippet.yaml").write_text(snippet(data, res))
-    (root / "report.json").write_text(json.dumps(
-        {**{k: v for k, v in res.items() if k != "node_counts"},
-         "node_counts": {str(n): {k: v for k, v in nv.items()} for n, nv in res["node_counts"].items()},
-         "plots": [str(p) for p in plots], "snippet": str(root / "cluster_snippet.yaml")}, indent=2, default=str) + "\n")
+    summary = {**{k: v for k, v in res.items() if k != "node_counts"},
+               "node_counts": {str(n): nv for n, nv in res["node_counts"].items()},
+               "plots": [str(p) for p in plots], "snippet": str(root / "cluster_snippet.yaml")}
+    (root / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(md)
     print(f"snippet ({root / 'cluster_snippet.yaml'}):\n" + (root / "cluster_snippet.yaml").read_text())
     return 0

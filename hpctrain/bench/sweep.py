@@ -409,7 +409,8 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
              "qos": cfg["qos"] or cl.get("qos"), "constraint": cfg["constraint"] or cl.get("constraint"),
              "time_min": time_min, "exclusive": bool(cfg["exclusive"]),
              "array_parallelism": _check_int("array_parallelism", cfg["array_parallelism"], 1),
-             "setup": list(cl.get("setup") or []) + list(cfg["setup"] or [])}
+             "setup": list(cl.get("setup") or []) + list(cfg["setup"] or []),
+             "mem": cl.get("mem"), "exclude": cl.get("exclude"), "sbatch_extra": dict(cl.get("sbatch_extra") or {})}
     return Sweep(name=str(name), out=out, baseline=baseline, settings=settings, nodes=nodes, tasks_per_node=tpn,
                  gpus_per_node=gpus, cpus_per_task=cpt, slurm=slurm,
                  bench={**bench, "ops": ops}, elements=elements, description=str(cfg["description"] or ""),
@@ -489,9 +490,12 @@ def executor_parameters(sw: Sweep) -> dict:
         params["cpus_per_task"] = sw.cpus_per_task
     if sw.gpus_per_node:
         params["gpus_per_node"] = sw.gpus_per_node
-    for k in ("partition", "account", "qos", "constraint"):
-        if s[k]:
+    for k in ("partition", "account", "qos", "constraint", "mem", "exclude"):
+        if s.get(k):
             params[k] = s[k]
+    for k, v in (s.get("sbatch_extra") or {}).items():  # cluster.sbatch_extra, as launcher=sbatch reads it
+        if v is not None and v is not False:
+            extra[str(k).lstrip("-").replace("-", "_")] = v
     if s["exclusive"]:
         params["exclusive"] = True
     if s["setup"]:
@@ -603,4 +607,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run main() from the module under its import name, not as __main__: submitit pickles
+    # run_element and the Element objects by reference to hpctrain.bench.sweep that way (by value from
+    # __main__, the dataclass arrives without its fields).
+    from hpctrain.bench.sweep import main as _main
+
+    sys.exit(_main())

@@ -98,10 +98,22 @@ class CheckpointManager:
             self._commit(Pending(None, tmp, step, info, t0), t0)
             return
         if self._pg is None:
+            # DCP's async collectives interleaved with FSDP's on the default group abort the process.
             self._pg = dist.new_group(backend="gloo")
-        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg)
+            self._stager = self._make_stager()
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
         self.pending = Pending(future, tmp, step, info, t0)
         self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
+
+    @staticmethod
+    def _make_stager():
+        """Stage into host buffers allocated once and reused by every later save: the loop then
+        waits only for a memory copy. Pinned buffers need an accelerator."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = torch.cuda.is_available()
+        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=cuda))
 
     def wait(self) -> None:
         """Finish the save in flight, if any (a new save and the end of a run both wait)."""
