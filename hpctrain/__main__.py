@@ -1,6 +1,7 @@
 """`python -m hpctrain [overrides...]`: compose -> check -> plan -> launch, on the login node.
 
-Nothing here imports torch: a dry run of a 70B plan finishes in about a second.
+Nothing here imports torch: a dry run of a 70B plan finishes in about a second. Every run (and
+every dry run) writes <run.dir>/plan.json: predicted memory per GPU, step time, tokens/s, MFU.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hpctrain.compose import ConfigError, compose
 from hpctrain.check import check, launch_problems
 from hpctrain.layout import layout_of
 from hpctrain.plan.flops import param_counts
+from hpctrain.plan.login import choose_layout, plan_and_check, write_plan
+from hpctrain.plan.report import summary as plan_summary
 from hpctrain.rundir import clear_outcome, prepare_run_dir, read_outcome
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
@@ -19,7 +22,8 @@ USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experi
   +experiment=tiny      the embedded default: a tiny Llama on 2 local CPU processes
   +experiment=70b       Llama 3 70B on a Slurm cluster
   train.steps=N run.dir=PATH launcher=local launcher.nproc=N dry_run=true
-  parallel.dp_shard=N parallel.dp_replicate=N parallel.tp=N parallel.pp=N parallel.zero=0|3
+  parallel.dp_shard=N parallel.dp_replicate=N parallel.tp=N parallel.pp=N parallel.zero=0|1|2|3
+  parallel=auto         the fastest layout the planner finds that fits
   checkpoint.every=N checkpoint.keep=N
   --cfg                 print the composed config and exit
 """
@@ -60,8 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         if show_cfg:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
+        if cfg.parallel.auto:
+            chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
+            cfg = compose([*overrides, *chosen, "parallel.auto=false"])
+            print("parallel=auto chose: " + " ".join(chosen))
         check(cfg)
         print(summary(cfg), flush=True)
+        the_plan = plan_and_check(cfg, for_launch=not cfg.dry_run)
+        print(plan_summary(the_plan))
+        print(f"plan: {write_plan(the_plan, cfg.run.dir)}", flush=True)
         if cfg.dry_run:
             if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
                 from hpctrain.launch.sbatch import SCRIPT_NAME, sbatch_script, source_root

@@ -28,6 +28,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    # parallel=auto: the planner picks every knob below (layout, ZeRO stage, checkpointing, micro-batch).
+    auto: bool = False
     # pp x dp_replicate x dp_shard x tp must equal the world size; -1 for dp_shard means "the rest".
     dp_replicate: int = 1
     dp_shard: int = -1

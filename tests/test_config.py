@@ -1,6 +1,8 @@
 """Composing the config and refusing the ones that cannot run, in process and through the CLI."""
 from __future__ import annotations
 
+import json
+
 import os
 import subprocess
 import sys
@@ -164,20 +166,45 @@ def test_cli_refuses_with_exit_2_and_no_traceback(case, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_dry_run_prints_summary_and_creates_nothing(tmp_path):
+def test_cli_dry_run_prints_summary_and_writes_only_the_plan(tmp_path):
     run_dir = tmp_path / "run"
     proc = cli(TINY, "dry_run=true", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     assert_mentions(proc.stdout, "model tiny", "459,392", "dp_shard 2", "= 2 ranks",
-                    "16 sequences x 64 tokens", "60 steps", f"run dir: {run_dir}", "dry run")
-    assert not run_dir.exists()
+                    "16 sequences x 64 tokens", "60 steps", f"run dir: {run_dir}", "dry run", "tokens/s")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["plan.json"]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    for key in ("memory_per_gpu_bytes", "memory_breakdown_bytes", "host_memory_bytes", "step_time_s",
+                "tokens_per_s", "tflops_per_gpu", "mfu"):
+        assert key in plan, key
 
 
-def test_cli_dry_run_plans_70b_on_the_login_node(tmp_path):
+def test_cli_refuses_a_plan_that_cannot_fit_with_numbers(tmp_path):
+    """70B on two 8 GiB CPU ranks: refused before anything starts, with the memory that shows why."""
     proc = cli(TINY, "model=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 2, proc.stdout
     assert "70,553,706,496" in proc.stdout
-    assert not (tmp_path / "run").exists()
+    assert_mentions(proc.stderr, "the plan does not fit", "GiB per rank", "8.0 GiB (cluster.device_mem_gb)",
+                    "Fix:", "no layout of this model fits")
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_dry_run_70b_on_64_h100_in_seconds(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    proc = cli("+experiment=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 30  # it is arithmetic; seconds even on a loaded 2-core machine
+    assert_mentions(proc.stdout, "70,553,706,496", "64 x h100", "tokens/s", "MFU", "GiB of 80.0 GiB")
+
+
+def test_parallel_auto_picks_a_feasible_layout(tmp_path):
+    proc = cli("+experiment=70b", "parallel=auto", "dry_run=true", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "parallel=auto chose: parallel.tp=" in proc.stdout
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["feasible"] and plan["memory_per_gpu_bytes"] <= 80 * 2**30
 
 
 def test_cli_cfg_prints_yaml():

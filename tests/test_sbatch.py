@@ -234,7 +234,7 @@ print(f"DRY_RUN_OK {time.monotonic() - t0:.2f}")
 
 
 def test_dry_run_prints_the_script_without_torch(tmp_path):
-    """`+experiment=70b launcher=sbatch dry_run=true`: the script is shown, nothing is written, no torch."""
+    """`+experiment=70b launcher=sbatch dry_run=true`: the script is shown, only plan.json is written, no torch."""
     from helpers import REPO
 
     run_dir = tmp_path / "run"
@@ -246,6 +246,6 @@ def test_dry_run_prints_the_script_without_torch(tmp_path):
     assert "#SBATCH --nodes=8" in proc.stdout and "#SBATCH --gpus-per-node=8" in proc.stdout
     assert f"-m hpctrain.run {run_dir}" in proc.stdout
     assert "dry run: nothing started" in proc.stdout
-    assert not run_dir.exists()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["plan.json"]
     seconds = float(proc.stdout.split("DRY_RUN_OK ")[1])
     assert seconds < 10, seconds

@@ -244,6 +244,9 @@ def analyse(data: SweepData, small_below: int = 64 << 10, large_from: int = 16 <
                        f"{_pct(noise)}, batch spread of the two runs): keep the baseline")
             else:
                 why = f"no setting beats the baseline {data.baseline!r} on large messages of {ops_txt}"
+        elif ranking:
+            why = (f"no setting other than the baseline {data.baseline!r} has large-message results for every "
+                   f"training collective ({ops_txt}) to compare with (failed or missing): keep the baseline")
         else:
             why = "no setting has large-message results for every training collective: no verdict"
         if replicas:

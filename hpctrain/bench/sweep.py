@@ -598,7 +598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     failed = [(j, e) for j, e in wait(jobs) if e is not None]
     for j, e in failed:
-        print(f"element {j.job_id} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        lines = str(e).splitlines()
+        ours = [x for x in lines if "failed (srun exit" in x]  # run_element's own message, inside submitit's
+        print(f"element {j.job_id} failed: {(ours or lines or [type(e).__name__])[-1].strip()}", file=sys.stderr)
     if a.report:
         from hpctrain.bench import report
 

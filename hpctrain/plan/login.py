@@ -1,0 +1,60 @@
+"""The planner on the login node: price the requested layout, pick one for `parallel=auto`, refuse a
+layout that cannot fit with the numbers and the nearest layouts that would, write plan.json."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hpctrain.compose import ConfigError
+
+
+def _space(for_launch: bool):
+    from hpctrain.check import CHOICES
+    from hpctrain.plan.search import Space
+
+    # Only what parallel.zero accepts; offload only where the engine can run it.
+    offloads = ("none",) if for_launch else Space().offloads
+    return Space(zeros=tuple(z for z in Space().zeros if z in CHOICES["parallel.zero"]), offloads=offloads)
+
+
+def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
+    """Overrides of the fastest layout that fits (parallel=auto)."""
+    from hpctrain.config import world_size
+    from hpctrain.plan.memory import job_of
+    from hpctrain.plan.report import explain
+    from hpctrain.plan.search import overrides, search
+
+    res = search(job_of(cfg), _space(for_launch), world=world_size(cfg))
+    if not res.ranked:
+        raise ConfigError("parallel=auto: no layout of this model fits this cluster:\n" + explain(res, top=0))
+    return overrides(res.ranked[0].job)
+
+
+def plan_and_check(cfg: Any, for_launch: bool):
+    """The requested layout's plan; raises ConfigError when it cannot fit."""
+    from hpctrain.config import world_size
+    from hpctrain.plan.memory import job_of
+    from hpctrain.plan.report import describe, plan, summary
+    from hpctrain.plan.search import nearest, search
+
+    job = job_of(cfg)
+    p = plan(job)
+    if p.fits:
+        return p
+    res = search(job, _space(for_launch), world=world_size(cfg))
+    near = nearest(job, res.ranked) if res.ranked else []
+    alt = ("\nlayouts that would fit, nearest first (or use parallel=auto):\n"
+           + "\n".join(f"  {describe(c.job)}: {c.memory.device_total / 2**30:.1f} GiB, "
+                       f"{c.time.tokens_per_s:,.0f} tokens/s" for c in near)) if near else \
+        "\nno layout of this model fits this cluster: add nodes (cluster.nodes) or GPUs with more memory"
+    raise ConfigError("the plan does not fit:\n" + summary(p) + alt)
+
+
+def write_plan(p, run_dir: str | Path) -> Path:
+    from hpctrain.plan.report import plan_dict
+
+    path = Path(run_dir) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan_dict(p), indent=1, default=float))
+    return path
