@@ -7,6 +7,8 @@ they are skipped, with the reason, when sinfo does not answer. Each real job is 
 """
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import shutil
@@ -302,4 +304,10 @@ def test_launcher_slurm_submits_through_submitit(slurm, tmp_path):
 
     results = submitit.SlurmJob(folder=run_dir / "submitit", job_id=job, tasks=range(4)).results()
     assert results == [0, 0, 0, 0]
+    # The same 4-rank layout on the local launcher trains the same model, step for step.
+    local = tmp_path / "local"
+    run_cli(*TINY_LOCAL, "launcher=local", "launcher.nproc=4", f"run.dir={local}", timeout=300)
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert losses(run_dir) == losses(local)
     print(f"submitit job {job}: {time.monotonic() - t0:.1f} s")
