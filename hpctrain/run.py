@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 from hpctrain.compose import load
+from hpctrain.dist import nccl
 from hpctrain.dist.bootstrap import BootstrapError, detect, init
 from hpctrain.launch.requeue import requeue
 from hpctrain.layout import layout_of
@@ -58,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from hpctrain.train import Trainer
 
     try:
-        device = init(de, backend_for(cfg), cfg.launcher.timeout_s, cfg.train.threads)
+        backend = backend_for(cfg)
+        nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank)
+        device = init(de, backend, cfg.launcher.timeout_s, cfg.train.threads)
         log.info("rank %d of %d on %s (launcher %s, backend %s, device %s)", de.rank, de.world,
                  socket.gethostname(), de.launcher, backend_for(cfg), device)
         outcome = Trainer(cfg, str(run_dir), device).fit(preemption)

@@ -311,3 +311,15 @@ def test_launcher_slurm_submits_through_submitit(slurm, tmp_path):
         return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert losses(run_dir) == losses(local)
     print(f"submitit job {job}: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.slurm
+def test_hostlist_parser_agrees_with_scontrol(slurm):
+    from hpctrain.dist.hostlist import expand
+
+    # (Slurm 22.05 refuses a suffix after a bracket, "x[1-3]y"; our parser accepts it: not compared.)
+    for hl in ("n[001-004,010],gpu-a[1-2]", "n1", "a[8-11]", "node[07-12]", "r[1-2]n[01-02]",
+               "c[1,3,5-6],d9", "n[9-10]", "n[1-2],n[1-2]", "a1,b[01-03],c"):
+        out = subprocess.run(["scontrol", "show", "hostnames", hl], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert expand(hl) == out.stdout.split(), hl
