@@ -241,7 +241,7 @@ def analyse(data: SweepData, small_below: int = 64 << 10, large_from: int = 16 <
             if top_gain > 0:
                 why = (f"the best setting, {top}, is {top_gain:+.1%} over the baseline {data.baseline!r}, below the "
                        f"{threshold:.1%} a winner needs here (floor {min_gain:.0%}, noise between identical runs "
-                       f"{_pct(noise)}, batch spread of the two runs): keep the baseline")
+                       f"{_pm(noise)}, batch spread of the two runs): keep the baseline")
             else:
                 why = f"no setting beats the baseline {data.baseline!r} on large messages of {ops_txt}"
         elif ranking:
@@ -253,7 +253,7 @@ def analyse(data: SweepData, small_below: int = 64 << 10, large_from: int = 16 <
             one = len(replicas) == 1
             why += (f"; {', '.join(replicas)} {'differs' if one else 'differ'} from the baseline only in variables "
                     f"{backend or 'this backend'} does not read, so {'it measures' if one else 'they measure'} the "
-                    f"noise ({_pct(noise)}) and cannot win")
+                    f"noise ({_pm(noise)}) and cannot win")
         out["node_counts"][n] = {"shape": data.shape.get(n, ""), "ops": ops, "settings": settings,
                                  "best": best_rows, "large": large, "train_ops": train_ops,
                                  "ranking": ranking, "winner": winner, "why": why, "backend": backend,
@@ -275,6 +275,10 @@ def analyse(data: SweepData, small_below: int = 64 << 10, large_from: int = 16 <
 
 def _pct(g: float | None) -> str:
     return "n/a" if g is None else f"{g:+.1%}"
+
+
+def _pm(x: float | None) -> str:
+    return "n/a" if x is None else f"±{x:.1%}"
 
 
 def _bw(x: float | None) -> str:
