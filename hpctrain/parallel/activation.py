@@ -1,7 +1,5 @@
-"""Activation checkpointing: keep only each block's input, recompute the rest in backward.
-
-full: every block; selective: every `every`-th block (trading some memory for less recompute).
-"""
+"""What wraps each block: activation checkpointing (keep only each block's input, recompute the rest
+in backward; full: every block, selective: every `every`-th) and torch.compile."""
 from __future__ import annotations
 
 from torch import nn
@@ -15,4 +13,14 @@ def apply_ac(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
             # Non-reentrant: composes with FSDP2 and DTensor; the wrapper's prefix is stripped from
             # state dicts, so checkpoints keep the plain names.
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model
+
+
+def apply_compile(model: nn.Module) -> nn.Module:
+    """Compile block by block (torchtitan's choice): every block has the same code, so one graph is
+    compiled and reused, and FSDP's per-block hooks stay outside the graphs."""
+    import torch
+
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=True)
     return model

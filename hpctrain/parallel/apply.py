@@ -1,5 +1,5 @@
 """Apply the configured parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> activation checkpointing -> data parallel -> materialize.
+pipeline split -> tensor parallel -> activation checkpointing -> compile -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
 parallel, the stages the schedule drives.
@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from hpctrain.parallel.activation import apply_ac
+from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data import apply_ddp, apply_fsdp
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import layer_ranges, stage_ids, stage_module, stages_per_rank
@@ -56,6 +56,8 @@ def parallelize(model: nn.Module, meshes, cfg, device: torch.device, init_param_
             apply_tp(part, meshes.world["tp"])
         if p.ac != "none":
             apply_ac(part, p.ac, p.ac_every)
+        if cfg.train.compile:
+            apply_compile(part)
         if p.zero >= 2:
             # ZeRO-2 keeps parameters gathered from forward through backward; ZeRO-3 re-gathers them
             # per block in backward. With pipelining each block runs once per micro-batch: gather once.

@@ -19,7 +19,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, init_param_) 
 
     model.to_empty(device=device)
     for name, p in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")  # the plain model's name
+        # The plain model's name, whatever wraps the block (checkpointing, torch.compile).
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(p.shape, dtype=p.dtype, device=device)
         init_param_(name, full, gen)
