@@ -224,7 +224,11 @@ def _engine(cfg):
                    f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
         if lay.dp >= 1 and t.global_batch % (lay.dp * t.micro_batch) == 0:
             n_micro = t.global_batch // lay.dp // t.micro_batch
-            if n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
+            if p.pp_schedule == "dualpipev" and n_micro < stages:
+                yield (f"{n_micro} micro-batches per step for parallel.pp_schedule=dualpipev with {stages} stages: "
+                       f"DualPipeV needs at least as many micro-batches as stages. "
+                       f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // stages)} or a larger train.global_batch")
+            elif n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
                 yield (f"{n_micro} micro-batches per step (train.global_batch / data-parallel ranks / "
                        f"train.micro_batch) for parallel.pp={p.pp}, schedule {p.pp_schedule}: a pipeline needs at "
                        f"least pp micro-batches, a multiple of pp for interleaved schedules. "
@@ -232,13 +236,44 @@ def _engine(cfg):
                        "train.global_batch")
 
 
+@_check
+def _offload(cfg):
+    """Offload knobs; with offload.target=nvme, offload.path must name a writable directory. Its free
+    space is checked by every rank at start (the ranks know their share of the state)."""
+    o = cfg.offload
+    if o.target == "none":
+        return
+    kernels = ("auto", "compile", "fused")  # hpctrain.offload.adam_kernel.KERNELS (which imports torch)
+    if o.kernel not in kernels:
+        yield f"offload.kernel={o.kernel} is not one of {', '.join(kernels)}. Fix: offload.kernel=auto"
+    for key in ("chunk_mb", "queue_depth", "block_mb"):
+        if o[key] < 1:
+            yield f"offload.{key}={o[key]} must be at least 1"
+    if o.buffer_count < 2:
+        yield (f"offload.buffer_count={o.buffer_count}: streaming needs at least 2 buffers (one is read while "
+               "the other is updated). Fix: offload.buffer_count=4")
+    if o.target != "nvme":
+        return
+    if not o.path:
+        yield ("offload.target=nvme needs a directory for the optimizer state files. "
+               "Fix: offload.path=<directory on a fast local disk>")
+        return
+    if cfg.launcher.name != "local":
+        return  # the ranks run elsewhere: a node-local path need not exist here; each rank checks it
+    path = os.path.abspath(os.path.expanduser(str(o.path)))
+    if not os.path.exists(path):
+        yield (f"offload.path={path} does not exist. Fix: mkdir -p {path}, or point offload.path at an "
+               "existing directory on a fast local disk")
+    elif not os.path.isdir(path):
+        yield f"offload.path={path} is not a directory. Fix: point offload.path at a directory"
+    elif not os.access(path, os.W_OK | os.X_OK):
+        yield f"offload.path={path} is not writable by this user. Fix: chmod it, or choose another directory"
+
+
 def launch_problems(cfg: Any) -> list[str]:
     """What this build cannot start yet. A dry run still plans such layouts; a launch refuses them
     here rather than deep inside torch."""
-    out = []
-    if cfg.offload.target != "none":
-        out.append(f"offload.target={cfg.offload.target} is not available yet. Fix: offload.target=none")
-    return out
+    return []
 
 
 def _divisors(n: int) -> str:

@@ -74,7 +74,7 @@ class Trainer:
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             self.params, cfg.optim, cfg.train.steps,
-            zero_group=self.dp_mesh.get_group() if cfg.parallel.zero == 1 else None)
+            zero_group=self.dp_mesh.get_group() if cfg.parallel.zero == 1 else None, offload=cfg.offload)
         self.pp_group = self.meshes.world["pp"].get_group() if cfg.parallel.pp > 1 else None
         self.schedule = self._pipeline_schedule() if self.pp_group is not None else None
 
@@ -169,7 +169,8 @@ class Trainer:
         losses: list = []
         args = (x,) if self.par.first else ()
         with self._loss_context():
-            self.schedule.step(*args, target=y if self.par.last else None, losses=losses)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's logits.
+            self.schedule.step(*args, target=y if self.par.last else None, losses=losses, return_outputs=False)
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
         loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
                 else torch.zeros((), device=self.device))
