@@ -273,6 +273,8 @@ def _offload(cfg):
 def launch_problems(cfg: Any) -> list[str]:
     """What this build cannot start yet. A dry run still plans such layouts; a launch refuses them
     here rather than deep inside torch."""
+    if cfg.offload.target != "none":
+        return [f"offload.target={cfg.offload.target} is not available in this build yet. Fix: offload.target=none"]
     return []
 
 

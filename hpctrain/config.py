@@ -105,7 +105,22 @@ CheckpointConfig = _checkpoint_config()
 @dataclass
 class OffloadConfig:
     target: str = "none"  # none | cpu | nvme
+    # nvme: an existing, writable directory on a fast local disk; each rank keeps its optimizer state
+    # there in files that are reserved at start and vanish when the run ends (hpctrain.offload.nvme).
     path: Optional[str] = None
+    kernel: str = "auto"  # host AdamW step: auto (cpp, else compile, else fused) | cpp | compile | fused
+    pin_memory: bool = True  # page-locked host buffers, where an accelerator exists
+    # nvme streaming: each state tensor goes through host memory in chunks of chunk_mb MiB, using
+    # buffer_count buffer sets (>= 2: reads run ahead and writes behind the update), with queue_depth
+    # requests of block_mb MiB in flight.
+    chunk_mb: int = 64
+    buffer_count: int = 4
+    queue_depth: int = 8
+    block_mb: int = 8
+    direct_io: bool = True  # O_DIRECT (bypass the page cache) where the file system allows it
+    # nvme: stream the fp32 master weights through the files too, where they are kept apart from the
+    # parameters (an accelerator, or bf16/fp16 parameters); otherwise they stay in host memory.
+    master_on_nvme: bool = False
 
 
 @dataclass
