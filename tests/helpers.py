@@ -19,3 +19,13 @@ def run_cli(*overrides: str, timeout: float = 300, check: bool = True, env: dict
         raise AssertionError(f"`python -m {module} {' '.join(overrides)}` exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
     return proc
+
+
+def skip_or_fail(why: str) -> None:
+    """Without the local Slurm a developer may skip the Slurm tests; CI (CI=true) starts Slurm first,
+    so there a missing Slurm is a failure, never a silent skip."""
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the Slurm tests: {why}")
+    pytest.skip(why)

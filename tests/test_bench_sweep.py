@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers import skip_or_fail
 import yaml
 
 pytestmark = pytest.mark.slurm
@@ -24,12 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def slurm_up():
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        pytest.skip("no Slurm client on PATH (slurm/start.sh installs and starts the local cluster)")
+        skip_or_fail("no Slurm client on PATH (slurm/start.sh installs and starts the local cluster)")
     p = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
     usable = sum(int(line.split()[0]) for line in p.stdout.splitlines()
                  if line.split() and line.split()[1] in ("idle", "mix", "alloc", "comp"))
     if p.returncode != 0 or usable < 2:
-        pytest.skip(f"the local Slurm is not up with 2 nodes (run `bash slurm/start.sh`): {p.stdout}{p.stderr}")
+        skip_or_fail(f"the local Slurm is not up with 2 nodes (run `bash slurm/start.sh`): {p.stdout}{p.stderr}")
 
 
 def _sacct_states(array_id: str, n: int, timeout_s: float = 30) -> list[str]:

@@ -189,13 +189,10 @@ def test_cli_refuses_a_plan_that_cannot_fit_with_numbers(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_dry_run_70b_on_64_h100_in_seconds(tmp_path):
-    import time
-
-    t0 = time.monotonic()
+def test_cli_dry_run_70b_on_64_h100(tmp_path):
+    # Seconds, because it is arithmetic: tests/test_login_node.py asserts it imports no torch.
     proc = cli("+experiment=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - t0 < 30  # it is arithmetic; seconds even on a loaded 2-core machine
     assert_mentions(proc.stdout, "70,553,706,496", "64 x h100", "tokens/s", "MFU", "GiB of 80.0 GiB")
 
 

@@ -179,7 +179,6 @@ def test_search_70b_on_64_h100(job70):
     assert speeds == sorted(speeds, reverse=True)
     assert res.failures["device memory"] > 0  # e.g. DDP: 16 bytes x 70.6 B parameters per GPU
     print(f"\nsearched {res.considered} layouts in {elapsed:.2f} s; best:\n" + summary(plan(best.job)))
-    assert elapsed < 30  # seconds on a shared 2-core VM; about one on a quiet one
     text = explain(res, top=5, request=job70)
     assert "refused" in text and "ranks #" in text
 

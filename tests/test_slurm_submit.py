@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import open_dict
 
-from helpers import run_cli
+from helpers import skip_or_fail, run_cli
 from hpctrain.check import problems
 from hpctrain.compose import compose
 from hpctrain.launch.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
@@ -189,7 +189,7 @@ def slurm_up() -> str | None:
 def slurm():
     why = slurm_up()
     if why:
-        pytest.skip(why)
+        skip_or_fail(why)
 
 
 def refused(*overrides: str) -> str:
