@@ -35,7 +35,7 @@ def drop_caches() -> bool:
         return False
 
 
-def _direct_io(path: Path, nbytes: int, write: bool, threads: int = 4) -> float:
+def direct_io(path: Path, nbytes: int, write: bool, threads: int = 4) -> float:
     """Seconds to write (or read) nbytes sequentially with O_DIRECT, split over `threads` regions."""
     flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
     fd = os.open(path, flags, 0o644)
@@ -65,8 +65,8 @@ def _direct_io(path: Path, nbytes: int, write: bool, threads: int = 4) -> float:
 
 def disk_baseline(d: Path, nbytes: int) -> dict:
     f = d / "disk-baseline.bin"
-    w = _direct_io(f, nbytes, write=True)
-    r = _direct_io(f, nbytes, write=False)
+    w = direct_io(f, nbytes, write=True)
+    r = direct_io(f, nbytes, write=False)
     f.unlink()
     n = (nbytes // 4 // CHUNK) * CHUNK * 4
     return {"write_gbps": n / w / 1e9, "read_gbps": n / r / 1e9}

@@ -30,12 +30,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -52,7 +50,6 @@ from hpctrain.offload.adam_kernel import AdamKernel, _plain, memory_ceiling_kern
 from hpctrain.offload.aio import AsyncIO, aligned_empty, open_direct  # noqa: E402
 
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-CHUNK = 8 << 20
 
 
 def log(msg: str) -> None:
@@ -195,29 +192,10 @@ def cpu_step(n: int, reps: int, mixed: bool, ds_cls) -> dict:
 
 def direct_baseline(path: Path, nbytes: int, write: bool, threads: int = 4) -> float:
     """benchmarks/checkpoint.py's O_DIRECT writer: `threads` regions, 8 MiB requests, page-aligned."""
-    flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
-    fd = os.open(path, flags, 0o644)
-    per = (nbytes // threads // CHUNK) * CHUNK
-    bufs = [mmap.mmap(-1, CHUNK) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(1 << 20) * (CHUNK >> 20))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from checkpoint import direct_io
 
-    def worker(i: int) -> None:
-        off, end = i * per, (i + 1) * per
-        while off < end:
-            off += os.pwritev(fd, [bufs[i]], off) if write else os.preadv(fd, [bufs[i]], off)
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if write:
-        os.fsync(fd)
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    return dt
+    return direct_io(path, nbytes, write, threads)
 
 
 def ours_io(path: Path, buf: torch.Tensor, write: bool, queue_depth: int, block: int) -> float:

@@ -15,6 +15,17 @@ REPO = Path(__file__).resolve().parent.parent
 LONG_SLEEP = 60  # what a rank left running would keep the call alive for
 
 
+def outlive(tmp_path: Path) -> str:
+    """Code for a rank that sleeps, then leaves a mark: a mark after launch() returned means the
+    launcher waited for it instead of stopping it."""
+    return (f"time.sleep({LONG_SLEEP}); "
+            f"open(os.path.join({str(tmp_path)!r}, 'outlived-' + os.environ['RANK']), 'w').close()")
+
+
+def assert_others_stopped(tmp_path: Path) -> None:
+    assert not list(tmp_path.glob("outlived-*")), "the launcher let a rank run to the end"
+
+
 def ranks(script: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(script)]
 
@@ -33,20 +44,18 @@ def test_all_ranks_succeed(tmp_path, capfd):
 
 
 def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
-    t0 = time.monotonic()
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, time
         if os.environ["RANK"] == "1":
             raise RuntimeError("boom on purpose")
-        time.sleep({LONG_SLEEP})
+        {outlive(tmp_path)}
     """))
-    elapsed = time.monotonic() - t0
     _, err = capfd.readouterr()
     assert rc == 1
     assert "rank 1 failed (exit code 1)" in err
     assert str(tmp_path / "logs" / "rank-1.log") in err
     assert "RuntimeError: boom on purpose" in err  # the tail of its log
-    assert elapsed < LONG_SLEEP / 3, elapsed
+    assert_others_stopped(tmp_path)
 
 
 def test_exit_code_is_passed_on(tmp_path, capfd):
@@ -54,45 +63,42 @@ def test_exit_code_is_passed_on(tmp_path, capfd):
         import os, sys, time
         if os.environ["RANK"] == "0":
             sys.exit(3)
-        time.sleep({LONG_SLEEP})
+        {outlive(tmp_path)}
     """))
     _, err = capfd.readouterr()
     assert rc == 3
     assert "rank 0 failed (exit code 3)" in err and "above" in err
+    assert_others_stopped(tmp_path)
 
 
 def test_rank_killed_by_signal(tmp_path, capfd):
-    t0 = time.monotonic()
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, signal, time
         if os.environ["RANK"] == "1":
             time.sleep(0.2)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep({LONG_SLEEP})
+        {outlive(tmp_path)}
     """))
-    elapsed = time.monotonic() - t0
     _, err = capfd.readouterr()
     assert rc == 128 + signal.SIGKILL
     assert "rank 1 failed (was killed by SIGKILL)" in err
-    assert elapsed < LONG_SLEEP / 3, elapsed
+    assert_others_stopped(tmp_path)
 
 
 def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd):
     """A rank that ignores SIGTERM (or is busy saving) does not keep the launcher alive past the grace."""
-    t0 = time.monotonic()
     rc = launch(tmp_path, 2, grace_s=1.0, cmd=ranks(f"""
         import os, signal, sys, time
         if os.environ["RANK"] == "1":
             time.sleep(0.5)
             sys.exit(5)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        time.sleep({LONG_SLEEP})
+        {outlive(tmp_path)}
     """))
-    elapsed = time.monotonic() - t0
     _, err = capfd.readouterr()
     assert rc == 5
     assert "rank 1 failed (exit code 5)" in err
-    assert elapsed < LONG_SLEEP / 3, elapsed
+    assert_others_stopped(tmp_path)
 
 
 def test_signal_to_launcher_reaches_every_rank(tmp_path):
