@@ -235,7 +235,7 @@ class Trainer:
                     self.save(blocking=not cfg.checkpoint["async"])
             if status == "completed" and every and self.ckpt.last_saved != self.step:
                 self.save(blocking=True)  # the end of a run is always kept
-            self.ckpt.wait()
+            self.ckpt.close()
         finally:
             preemption.uninstall()
             if logger:

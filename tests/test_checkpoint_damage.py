@@ -53,7 +53,9 @@ def resume(run: Path, *overrides: str) -> tuple[Trainer, list[str]]:
 
 
 def shard(run: Path, step: int) -> Path:
-    return next((run / "checkpoints" / store.step_name(step)).glob("*.distcp"))
+    """The largest data file of the checkpoint (the first to be truncated by a full disk)."""
+    files = (run / "checkpoints" / store.step_name(step)).glob("__*")
+    return max(files, key=lambda f: f.stat().st_size)
 
 
 def test_resumes_from_newest(two_checkpoints):

@@ -6,8 +6,11 @@ position, LR schedule, config) from rank 0 and `rng/rank-NNNNN.json` from every 
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +19,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hpctrain.checkpoint import rng, store
+from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.faults import wrap_writer
 from hpctrain.parallel.state import checkpoint_state, load_checkpoint_state
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
@@ -69,6 +74,7 @@ class CheckpointManager:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         self.saves: list[dict] = []  # timings, for benchmarks and logs
+        self._purge: Optional[threading.Thread] = None
 
     # ---------------------------------------------------------------- saving
 
@@ -77,20 +83,19 @@ class CheckpointManager:
         `extra` is JSON: step, tokens, data position, schedule."""
         self.wait()
         t0 = time.perf_counter()
-        self._check_space(step)
-        nonce = self._agree_on_nonce()
-        tmp = store.tmp_dir(self.root, step, nonce)
-        if self.rank == 0:
-            tmp.mkdir(parents=True)
-        dist.barrier()
+        tmp = store.tmp_dir(self.root, step, self._start(step))
+        tmp.mkdir(parents=True, exist_ok=True)  # every rank: the nonce makes the name fresh
         rng.save(tmp, self.rank)
         state = checkpoint_state(parts, optimizer)
         info = {"step": step, "world_size": self.world, "time": time.time(), **extra,
                 "config": self.config_dict, "torch": torch.__version__}
-        writer = wrap_writer(dcp.FileSystemWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
+        writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
+        # The plan is the same at every save of a run: cached, ranks skip sending it to the coordinator.
+        planner = DefaultSavePlanner(enable_plan_caching=True)
         if blocking:
             try:
-                dcp.save(state, storage_writer=writer)
+                with _gc_paused():
+                    dcp.save(state, storage_writer=writer, planner=planner)
             except BaseException as e:  # CheckpointException is a BaseException
                 if isinstance(e, KeyboardInterrupt):
                     raise
@@ -101,7 +106,9 @@ class CheckpointManager:
             # DCP's async collectives interleaved with FSDP's on the default group abort the process.
             self._pg = dist.new_group(backend="gloo")
             self._stager = self._make_stager()
-        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
+        with _gc_paused():
+            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self._pg,
+                                    async_stager=self._stager)
         self.pending = Pending(future, tmp, step, info, t0)
         self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
 
@@ -121,26 +128,42 @@ class CheckpointManager:
             return
         p, self.pending = self.pending, None
         try:
-            p.future.result()
+            with _gc_paused():
+                p.future.result()
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 raise
             self._abandon(p.tmp, p.step, e)
         self._commit(p, None)
 
-    def _check_space(self, step: int) -> None:
-        """Refuse a save that cannot fit, before writing a byte: judged by the previous checkpoint's size."""
-        verdict = [None]
+    def close(self) -> None:
+        """The end of a run: the last save is on disk and old checkpoints are deleted."""
+        self.wait()
+        self._join_purge()
+
+    def _join_purge(self) -> None:
+        if self._purge is not None:
+            self._purge.join()
+            self._purge = None
+
+    def _start(self, step: int) -> str:
+        """One collective opens a save: rank 0 refuses one that cannot fit, judged by the previous
+        checkpoint's size, before a byte is written, and names the temporary directory."""
+        verdict = [None, f"{secrets.randbits(32):08x}"]
         if self.rank == 0:
             good = store.list_complete(self.root)
             if good:
                 need, free = store.disk_usage(good[-1][1]), store.free_bytes(self.root)
+                if free < need * 1.05 and self._purge is not None:
+                    self._join_purge()  # the space of the checkpoints being deleted counts
+                    free = store.free_bytes(self.root)
                 if free < need * 1.05:
-                    verdict = [f"No space left on device for it: {_mb(free)} free under {self.root}, "
-                               f"the previous checkpoint took {_mb(need)}"]
+                    verdict[0] = (f"No space left on device for it: {_mb(free)} free under {self.root}, "
+                                  f"the previous checkpoint took {_mb(need)}")
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             self._fail(step, verdict[0])
+        return verdict[1]
 
     def _abandon(self, tmp: Path, step: int, error: BaseException) -> None:
         """A save failed on some rank (full disk, I/O error): drop its pieces, keep the last good one."""
@@ -166,17 +189,16 @@ class CheckpointManager:
         # DCP returns on every rank only after the coordinator wrote .metadata: everything is on disk.
         if self.rank == 0:
             final = store.commit(p.tmp, self.root, p.step, p.info)
-            store.retain(self.root, self.cfg.keep, protect=final)
+            # Renamed out of sight now; deleting the bytes takes long and runs beside the training.
+            doomed = store.doom(self.root, self.cfg.keep, protect=final)
+            self._join_purge()
+            self._purge = threading.Thread(target=store.purge, args=(doomed,), name="checkpoint-purge", daemon=True)
+            self._purge.start()
         if p.future is None:
             dist.barrier()  # nobody reads the checkpoint before it is visible
             self.saves.append({"step": p.step, "blocked_s": time.perf_counter() - t0, "async": False})
         self.last_saved = p.step
         log.info("checkpoint step %d saved (%.2f s)", p.step, time.perf_counter() - p.started)
-
-    def _agree_on_nonce(self) -> str:
-        t = torch.tensor([secrets.randbits(31) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(t, src=0)
-        return f"{int(t):08x}"
 
     # --------------------------------------------------------------- loading
 
@@ -208,7 +230,8 @@ class CheckpointManager:
             verdict = self._verify(path, wanted)
             if verdict is None:
                 try:
-                    dcp.load(state, storage_reader=SafeReader(str(path)), planner=TensorOnlyLoadPlanner())
+                    with _gc_paused():
+                        dcp.load(state, storage_reader=SafeReader(str(path)), planner=TensorOnlyLoadPlanner())
                 except BaseException as e:  # DCP's CheckpointException is a BaseException
                     if isinstance(e, (KeyboardInterrupt, SystemExit)):
                         raise
@@ -251,6 +274,20 @@ class CheckpointManager:
                 verdict = [f"{store.INFO} unreadable ({e})"]
         dist.broadcast_object_list(verdict, src=0)
         return verdict[0]
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic GC while ranks wait on each other: a full collection in a process holding torch
+    takes 0.1-0.4 s, and unpickling DCP's plans and metadata sets one off on one rank while the
+    others wait for it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _mb(n: int) -> str:

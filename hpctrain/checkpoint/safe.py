@@ -51,6 +51,19 @@ def read_metadata(path: str | os.PathLike):
 
 
 class SafeReader(FileSystemReader):
+    """Reads `.raw` files (hpctrain's writer) itself and leaves `.distcp` files to DCP."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def read_data(self, plan, planner):
+        from hpctrain.checkpoint import raw
+
+        mine, rest = raw.split_plan(plan, self.storage_data)
+        raw.read_raw(str(self.path), self.metadata, self.storage_data, mine, planner)
+        return super().read_data(rest, planner)
+
     def read_metadata(self, *args, **kwargs):
         md = read_metadata(self.path)
         from torch.distributed.checkpoint.metadata import StorageMeta

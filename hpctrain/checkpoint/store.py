@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -99,18 +100,29 @@ def retain(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
 
     `protect` (the checkpoint just committed) is never deleted, whatever `keep` says.
     """
+    doomed = doom(root, keep, protect)
+    purge(doomed)
+    return doomed
+
+
+def doom(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """The quick half of `retain`: rename what is to go out of discovery's sight, return the
+    directories to purge. A crash before the purge leaves `.del-*` dirs the next call picks up."""
     removed = []
     complete = list_complete(root)
     for _, path in complete[:-keep] if keep > 0 else []:
         if protect is not None and path.resolve() == protect.resolve():
             continue
         # Rename first: a crash mid-delete must not leave a half-deleted dir that looks complete.
-        doomed = path.with_name(f".del-{path.name}")
+        doomed = path.with_name(f".del-{path.name}-{time.time_ns()}")
         os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
+        removed.append(doomed)
     for p in root.iterdir():
-        if p.name.startswith((TMP_PREFIX, ".del-")) and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name.startswith((TMP_PREFIX, ".del-")) and p.is_dir() and p not in removed:
             removed.append(p)
     return removed
+
+
+def purge(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
