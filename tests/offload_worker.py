@@ -43,6 +43,19 @@ def _model_holds_no_state(t: Trainer) -> bool:
     return True
 
 
+def _fsdp_host_params(t: Trainer):
+    """Whether FSDP2 keeps the sharded parameters and gradients in host memory (its CPU offload
+    policy), for every FSDP module; None without FSDP. Read from FSDP2's own parameter records."""
+    flags = []
+    for part in t.parts:
+        for m in part.modules():
+            state = getattr(m, "_get_fsdp_state", None)
+            group = state()._fsdp_param_group if state else None
+            if group is not None:
+                flags += [fp.offload_to_cpu for fp in group.fsdp_params]
+    return all(flags) if flags else None
+
+
 def _param_sum(t: Trainer) -> float:
     total = torch.zeros((), dtype=torch.float64)
     for p in t.params:
@@ -61,7 +74,7 @@ def train(cfg, run: str, steps: int) -> dict:
     info = {"loss": losses, "grad_norm": norms, "param_sum": _param_sum(t)}
     if hasattr(opt, "host_bytes"):
         info.update(host_bytes=opt.host_bytes(), state_bytes=opt.state_bytes(),
-                    model_clean=_model_holds_no_state(t))
+                    model_clean=_model_holds_no_state(t), host_params=_fsdp_host_params(t))
         opt.close()
     return info
 

@@ -365,6 +365,8 @@ def _same_run(base: dict, got: dict) -> None:
 def test_dp2_offload_matches_no_offload(two_ranks, zero, offload):
     got = two_ranks[f"parallel.zero={zero} offload={offload}"]
     _same_run(two_ranks[f"parallel.zero={zero}"], got)
+    # Under FSDP2 (ZeRO 2/3) the sharded parameters and gradients move to the host with the state.
+    assert got["host_params"] is (True if zero >= 2 else None)
     if offload == "nvme":  # only streaming buffers in host memory: at most 4 sets x 2 moments x 1 MiB
         assert got["host_bytes"] <= 4 * 2 * (1 << 20) + 4096
     else:
@@ -375,6 +377,8 @@ def test_dp2_offload_matches_no_offload(two_ranks, zero, offload):
 @pytest.mark.parametrize("base", list(EXTRA))
 def test_zero2_and_tensor_parallel_offload_match(two_ranks, base):
     _same_run(two_ranks[base], two_ranks[EXTRA[base]])
+    # FSDP2 holds the parameters on the host; with tensor parallel they stay on the device
+    assert two_ranks[EXTRA[base]]["host_params"] is ("zero=2" in base)
 
 
 @pytest.mark.slow

@@ -106,6 +106,9 @@ def init(de: DistEnv, backend: str = "gloo", timeout_s: int = 300, threads: int 
         torch.cuda.set_device(device)
 
     timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        # Host tensors take part in collectives too: offloaded gradients (their norm) and checkpoint metadata.
+        backend = "cpu:gloo,cuda:nccl"
     if de.launcher == "mpi":
         store = _mpi_store(de, timeout)
         dist.init_process_group(backend, store=store, rank=de.rank, world_size=de.world, timeout=timeout)

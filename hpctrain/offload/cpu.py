@@ -14,7 +14,9 @@ weights and moments and writes the low-precision weights when the parameters are
 updated weights go back to the device (asynchronous copies on a stream of their own). On a CPU device
 with fp32 parameters the parameters are the master weights: the kernel updates them in place.
 Gradients are taken at `step()`, after the trainer clipped them in place, so clipping needs nothing
-here.
+here. Under FSDP2 (ZeRO 2/3 without tensor parallel) the parameters this optimizer sees are already
+on the host (hpctrain.parallel.data.apply_fsdp with host_params): FSDP2 moved each gradient shard there
+as backward produced it, and no staging is needed.
 
 Checkpoints. `state[p]` holds `step`, `exp_avg`, `exp_avg_sq` (DTensors when `p` is one, so DCP
 reshards them) exactly as torch.optim.AdamW names them, plus `master` for bf16/fp16 parameters (their

@@ -7,20 +7,26 @@ from torch import nn
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool = True) -> nn.Module:
-    """Shard every block, then the root (embeddings, final norm, output)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+               reshard_after_forward: bool = True, host_params: bool = False, pin_memory: bool = False) -> nn.Module:
+    """Shard every block, then the root (embeddings, final norm, output).
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    `host_params` (optimizer offload): the sharded fp32 parameters and their gradients live in host
+    memory. FSDP2 then copies each block's reduced gradient shard to the host as soon as its
+    reduce-scatter is done (asynchronously into pinned memory), while backward goes on, and copies the
+    updated shard to the device at the block's next all-gather: the host optimizer updates the
+    parameters in place, with no transfer of its own."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+              offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if host_params else OffloadPolicy())
     blocks = list(model.layers.values())
     if not blocks:  # a pipeline stage with only the embedding or the output
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
         return model
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
 
 

@@ -8,16 +8,18 @@ from torch import nn
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, init_param_) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, init_param_,
+                param_device: torch.device | None = None) -> None:
     """Allocate this rank's shards and fill them from the full parameter each name would have.
 
     Each full parameter is generated from a generator seeded by (seed, name) and then cut to this
     rank's shard: the result is independent of how the model is split, at the cost of one full
-    parameter of scratch memory at a time.
+    parameter of scratch memory at a time. `param_device` (host memory, for optimizer offload) holds
+    the parameters; the values are still generated on `device`, so they do not depend on where they live.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model.to_empty(device=device)
+    model.to_empty(device=param_device or device)
     for name, p in model.named_parameters():
         # The plain model's name, whatever wraps the block (checkpointing, torch.compile).
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
