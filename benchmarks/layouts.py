@@ -1,8 +1,11 @@
 """Tokens/s and peak memory per rank of each parallel layout, measured, next to the planner's
 predicted bytes per rank for the same config.
 
-    python benchmarks/layouts.py [--layouts ddp zero1 ...] [--steps 5] [--skip 2] [--mem-steps 2]
-                                 [--reps 1] [--out outputs/bench/layouts]
+    python benchmarks/layouts.py [--models small tiny] [--layouts ddp zero1 ...] [--steps 5] [--skip 2]
+                                 [--mem-steps 2] [--reps 1] [--set KEY=VALUE ...] [--out outputs/bench/layouts]
+
+Both models by default, each with every layout (conf/model/small.yaml, ~34M parameters, and
+conf/model/tiny.yaml, ~0.5M), each model's outputs under --out/<model>.
 
 Every layout runs in launches of its own (fresh processes and process group, so peaks never mix),
 1 torch thread per rank, twice: a memory run and a speed run (below). Repetitions are interleaved
@@ -15,8 +18,12 @@ The figure reported is peak - baseline: what building and training this layout a
 process, i.e. the CPU analogue of device memory. It also records the RSS once the Trainer is built,
 the steady RSS after each step (what stays between steps: parameters, optimizer state, DDP's
 gradient buckets, the runtime's own buffers), the peak once forward/backward is done and once
-gradient clipping is done (which phase sets the peak), and the exact bytes of this rank's
-parameters and optimizer state, so a gap to the planner can be traced to a part.
+gradient clipping is done (which phase sets the peak), the exact bytes of this rank's
+parameters and optimizer state, and its resident pages by kind (anonymous, file-backed) at the
+baseline, once built and after each step, so a gap to the planner can be traced to a part. The
+file-backed growth ("of which file-backed" in the table, ~17-19 MiB on every layout and model) is
+the pages of torch's libraries that building and training touch for the first time: part of the
+per-process runtime (cluster.runtime_reserve_gb), which dominates the tiny model's peak.
 
 The allocator matters (both are measured and printed): with glibc's default, malloc
 raises its mmap threshold to the largest block freed so far (up to 32 MiB), after which tensors
@@ -59,7 +66,8 @@ from _ranks import REPO, launch_ranks, median  # noqa: E402
 
 MiB = 2**20
 MODES = {"memory": {"MALLOC_MMAP_THRESHOLD_": "65536"}, "speed": {}}  # extra environment of each run
-COMMON = ["+experiment=tiny", "model=small", "data.seq_len=128", "train.micro_batch=2", "train.global_batch=4",
+MODELS = ("small", "tiny")  # conf/model: ~33.6M and ~0.46M parameters
+COMMON = ["+experiment=tiny", "data.seq_len=128", "train.micro_batch=2", "train.global_batch=4",
           "train.steps=1000", "optim.warmup_steps=2", "checkpoint.every=0", "checkpoint.resume=false"]
 LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     "ddp": (2, ["parallel=ddp"]),
@@ -77,9 +85,12 @@ DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimiz
             "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks"}
 
 
-def overrides(name: str) -> list[str]:
+SET: list[str] = []  # --set: config overrides after every layout's own (the runs' and the planner's)
+
+
+def overrides(name: str, model: str = "small") -> list[str]:
     n, extra = LAYOUTS[name]
-    return [*COMMON, f"launcher.nproc={n}", *extra]
+    return [*COMMON, f"model={model}", f"launcher.nproc={n}", *extra, *SET]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +102,18 @@ def _local_bytes(t) -> int:
 
     t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
+
+
+def rss_parts() -> dict:
+    """This process's resident pages by kind (/proc/self/status, bytes): anonymous (heap, tensors,
+    Python objects) and file-backed (pages of the shared libraries and files mapped in)."""
+    d = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile", "RssShmem"):
+                d[k] = int(v.split()[0]) * 1024
+    return d
 
 
 def worker(out: str, spec: str) -> None:
@@ -107,8 +130,10 @@ def worker(out: str, spec: str) -> None:
     cfg = compose_cfg(a["overrides"])
     gc.collect()
     base, base_peak = rss_bytes(), peak_rss_bytes()
+    parts = [rss_parts()]  # at the baseline, once built, after each step
     t = trainer(cfg, de.rank)
     built = rss_bytes()
+    parts.append(rss_parts())
     # Per step, peak - base once forward/backward is done (gradient clipping starts) and once
     # clipping is done; with peak_after_step (after the optimizer) they say which phase sets the peak.
     phases: list = []
@@ -132,6 +157,7 @@ def worker(out: str, spec: str) -> None:
         rss_steps.append(rss_bytes() - base)
         peak_steps.append(peak_rss_bytes() - base)
         phases[-1].append(peak_steps[-1])
+        parts.append(rss_parts())
     after_first = rss_steps[0] + base
     peak = peak_rss_bytes()
     opt = getattr(t.optimizer, "optim", t.optimizer)  # ZeroRedundancyOptimizer wraps the local one
@@ -141,7 +167,7 @@ def worker(out: str, spec: str) -> None:
             "param_bytes": sum(_local_bytes(p) for p in t.params), "optim_state_bytes": state,
             "stages": list(t.par.stage_indices) if t.schedule is not None else None,
             "step_times": times, "losses": losses, "rss_after_step": rss_steps, "peak_after_step": peak_steps,
-            "phase_peaks": phases}
+            "phase_peaks": phases, "rss_parts": parts}
     ranks = gather(mine)
     if de.rank == 0:
         write_json(out, ranks)
@@ -152,13 +178,13 @@ def worker(out: str, spec: str) -> None:
 # driver side
 
 
-def predicted(name: str) -> tuple[list[dict], dict]:
+def predicted(name: str, model: str) -> tuple[list[dict], dict]:
     """The planner's device bytes (by kind) for each rank's pipeline stage, and its job summary."""
     from hpctrain.compose import compose
     from hpctrain.plan.memory import job_of, stage_memory
 
     n = LAYOUTS[name][0]
-    cfg = compose(overrides(name))
+    cfg = compose(overrides(name, model))
     job = job_of(cfg, n)
     lay = job.layout
     per_stage = {s: stage_memory(job, s)[0] for s in range(lay.pp)}
@@ -167,10 +193,10 @@ def predicted(name: str) -> tuple[list[dict], dict]:
                    "tokens_per_step": job.global_batch * job.seq_len}
 
 
-def summarize(name: str, runs: dict, skip: int, cores: int) -> dict:
+def summarize(name: str, model: str, runs: dict, skip: int, cores: int) -> dict:
     """`runs`: mode -> the raw per-rank lists of each repetition."""
     n = LAYOUTS[name][0]
-    pred, job = predicted(name)
+    pred, job = predicted(name, model)
     mem, speed = runs["memory"], runs["speed"]
     ranks = []
     for r in range(n):
@@ -187,11 +213,14 @@ def summarize(name: str, runs: dict, skip: int, cores: int) -> dict:
                       "predicted_breakdown": pred[r], "stages": mine[0]["stages"],
                       "base_rss": median([m["base_rss"] for m in mine]),
                       "peak_after_step": mine[0]["peak_after_step"],
-                      "glibc_peak_after_step": speed[0][r]["peak_after_step"]})
+                      "glibc_peak_after_step": speed[0][r]["peak_after_step"],
+                      # library pages touched since the baseline (RssFile grows, never shrinks here)
+                      "file_backed": median([m["rss_parts"][-1]["RssFile"] - m["rss_parts"][0]["RssFile"]
+                                             for m in mine if "rss_parts" in m])})
     step = median([median(run[0]["step_times"][skip:]) for run in speed])
     best = min(min(run[0]["step_times"][skip:]) for run in speed)
     worst = max(ranks, key=lambda x: x["measured"])
-    return {"name": name, "describe": DESCRIBE[name], "ranks_n": n, "oversubscribed": n > cores, **job,
+    return {"name": name, "model": model, "describe": DESCRIBE[name], "ranks_n": n, "oversubscribed": n > cores, **job,
             "step_s": step, "tokens_per_s": job["tokens_per_step"] / step, "best_step_s": best,
             "loss_last": median([run[0]["losses"][-1] for run in speed]), "per_rank": ranks,
             "worst_measured": worst["measured"], "worst_predicted": max(x["predicted"] for x in ranks),
@@ -207,14 +236,16 @@ def table(rows: list[dict]) -> str:
         return " ".join(mib(x[key]) for x in r["per_rank"])
 
     out = ["| layout | ranks | tokens/s | step s median (best) | measured MiB (per rank) | predicted MiB | "
-           "measured/predicted | steady MiB after a step | params+optim state MiB | glibc default MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "measured/predicted | steady MiB after a step | of which file-backed | params+optim state MiB | "
+           "glibc default MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pr = r["per_rank"]
         flag = " (oversubscribed)" if r["oversubscribed"] else ""
         out.append(f"| {r['describe']} | {r['ranks_n']} | {r['tokens_per_s']:,.0f}{flag} | "
                    f"{r['step_s']:.2f} ({r['best_step_s']:.2f}) | {each(r, 'measured')} | {each(r, 'predicted')} | "
                    f"{' '.join(format(x['ratio'], '.2f') for x in pr)} | {each(r, 'steady')} | "
+                   f"{' '.join(mib(x['file_backed']) if x.get('file_backed') is not None else '-' for x in pr)} | "
                    f"{' '.join(mib(x['param_bytes'] + x['optim_state_bytes']) for x in pr)} | "
                    f"{each(r, 'glibc_default')} |")
     return "\n".join(out)
@@ -274,46 +305,9 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--steps", type=int, default=5, help="steps of the speed run")
-    ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tokens/s")
-    ap.add_argument("--mem-steps", type=int, default=2,
-                    help="steps of the memory run (the peak is reached in step 2, the first with optimizer state)")
-    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (one launch each)")
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "layouts")
-    ap.add_argument("--reanalyse", action="store_true", help="run nothing: rebuild outputs from --out's raw files")
-    ap.add_argument("--worker", nargs=2, metavar=("OUT", "SPEC"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        worker(*a.worker)
-        return 0
-    a.out.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
-    for rep in range(a.reps):
-        for name in a.layouts:
-            for mode, env in MODES.items():
-                raw = a.out / f"raw-{name}-{mode}-{rep}.json"
-                if a.reanalyse:
-                    continue
-                t0 = time.perf_counter()
-                steps = a.mem_steps if mode == "memory" else a.steps
-                spec = json.dumps({"overrides": overrides(name), "steps": steps})
-                launch_ranks(a.out / "runs" / f"{name}-{mode}-{rep}", LAYOUTS[name][0],
-                             [str(Path(__file__).resolve()), "--worker", str(raw), spec], env=env)
-                ranks = json.loads(raw.read_text())
-                print(f"rep {rep} {name:8s} {mode:6s} peak-baseline MiB per rank "
-                      f"{[round(x['delta_peak'] / MiB) for x in ranks]}, step s "
-                      f"{[round(x, 2) for x in ranks[0]['step_times']]} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-    cores = os.cpu_count() or 1
-    rows = []
-    for name in a.layouts:
-        runs = {mode: [json.loads(p.read_text()) for p in sorted(a.out.glob(f"raw-{name}-{mode}-*.json"))]
-                for mode in MODES}
-        if all(runs.values()):
-            rows.append(summarize(name, runs, a.skip, cores))
+def report(model: str, rows: list[dict], a, cores: int, wall_s: float, out: Path) -> list[str]:
+    """Write `out`/results.json and layouts.png for one model's rows, print its tables; the layouts
+    whose every rank is within 10% of the planner."""
     zero = {r["name"]: r["worst_measured"] for r in rows if r["name"] in ("ddp", "zero1", "zero2", "zero3")}
     order = [zero[k] for k in ("ddp", "zero1", "zero2", "zero3") if k in zero]
     falls = all(x > y for x, y in zip(order, order[1:]))
@@ -321,21 +315,82 @@ def main() -> int:
     within = [r["name"] for r in rows if all(abs(x["ratio"] - 1) <= 0.10 for x in r["per_rank"])]
     glibc = [next(r["worst_glibc_default"] for r in rows if r["name"] == k)
              for k in ("ddp", "zero1", "zero2", "zero3") if k in zero]
-    summary = {"when": time.strftime("%F %T"), "common": COMMON, "steps": a.steps, "mem_steps": a.mem_steps,
-               "skip": a.skip, "reps": a.reps, "cores": cores, "modes": MODES, "wall_s": time.perf_counter() - t_all,
-               "zero_memory_falls": falls, "zero_memory_worst": order, "zero_memory_glibc_default": glibc,
-               "within_10_percent": within, "reanalysed_only": a.reanalyse, "rows": rows}
-    (a.out / "results.json").write_text(json.dumps(summary, indent=1))
-    print()
+    summary = {"when": time.strftime("%F %T"), "model": model, "common": [*COMMON, f"model={model}"], "set": SET,
+               "steps": a.steps, "mem_steps": a.mem_steps, "skip": a.skip, "reps": a.reps, "cores": cores,
+               "modes": MODES, "wall_s": wall_s, "zero_memory_falls": falls, "zero_memory_worst": order,
+               "zero_memory_glibc_default": glibc, "within_10_percent": within, "reanalysed_only": a.reanalyse,
+               "rows": rows}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    print(f"\n## model={model}\n")
     print(table(rows))
-    print("\nplanner's predicted breakdown, MiB (rank 0):")
+    print(f"\nplanner's predicted breakdown, MiB (rank 0), model={model}:")
     print(breakdown_table(rows))
     print(f"\nwith glibc's default malloc the same worst ranks hold {' > '.join(f'{x / MiB:.0f}' for x in glibc)} MiB")
     print(f"per-rank memory falls with the ZeRO stage (0 > 1 > 2 > 3, worst rank): {falls} "
           f"({' > '.join(f'{x / MiB:.0f}' for x in order)} MiB)")
-    print(f"every rank within 10% of the planner: {len(within)} of {len(rows)} layouts {within}")
-    plot(rows, a.out / "layouts.png")
-    print(f"results: {a.out / 'results.json'}, plot: {a.out / 'layouts.png'} ({summary['wall_s']:.0f} s)")
+    print(f"model={model}: every rank within 10% of the planner: {len(within)} of {len(rows)} layouts {within}")
+    if rows:
+        plot(rows, out / "layouts.png")
+    print(f"results: {out / 'results.json'}, plot: {out / 'layouts.png'}")
+    return within
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                    help="conf/model configs to measure, each with every layout (outputs under --out/<model>)")
+    ap.add_argument("--steps", type=int, default=5, help="steps of the speed run")
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out of tokens/s")
+    ap.add_argument("--mem-steps", type=int, default=2,
+                    help="steps of the memory run (the peak is reached in step 2, the first with optimizer state)")
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions (one launch each)")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "layouts")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every layout, e.g. cluster.runtime_reserve_gb=0.02 (with "
+                         "--reanalyse: what the planner predicts under them for the runs on disk)")
+    ap.add_argument("--reanalyse", action="store_true", help="run nothing: rebuild outputs from --out's raw files")
+    ap.add_argument("--worker", nargs=2, metavar=("OUT", "SPEC"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(*a.worker)
+        return 0
+    SET[:] = a.set
+    for model in a.models:
+        (a.out / model).mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    for rep in range(a.reps):
+        for model in a.models:
+            for name in a.layouts:
+                for mode, env in MODES.items():
+                    raw = a.out / model / f"raw-{name}-{mode}-{rep}.json"
+                    if a.reanalyse:
+                        continue
+                    t0 = time.perf_counter()
+                    steps = a.mem_steps if mode == "memory" else a.steps
+                    spec = json.dumps({"overrides": overrides(name, model), "steps": steps})
+                    launch_ranks(a.out / model / "runs" / f"{name}-{mode}-{rep}", LAYOUTS[name][0],
+                                 [str(Path(__file__).resolve()), "--worker", str(raw), spec], env=env)
+                    ranks = json.loads(raw.read_text())
+                    print(f"rep {rep} {model:5s} {name:8s} {mode:6s} peak-baseline MiB per rank "
+                          f"{[round(x['delta_peak'] / MiB) for x in ranks]}, step s "
+                          f"{[round(x, 2) for x in ranks[0]['step_times']]} ({time.perf_counter() - t0:.0f} s)",
+                          flush=True)
+    cores = os.cpu_count() or 1
+    wall = time.perf_counter() - t_all
+    verdict = {}
+    for model in a.models:
+        rows = []
+        for name in a.layouts:
+            runs = {mode: [json.loads(p.read_text()) for p in sorted((a.out / model).glob(f"raw-{name}-{mode}-*.json"))]
+                    for mode in MODES}
+            if all(runs.values()):
+                rows.append(summarize(name, model, runs, a.skip, cores))
+        verdict[model] = (report(model, rows, a, cores, wall, a.out / model), len(rows))
+    print()
+    for model, (within, n) in verdict.items():
+        print(f"model={model}: {len(within)} of {n} layouts with every rank within 10% {within}")
+    print(f"({wall:.0f} s)")
     return 0
 
 

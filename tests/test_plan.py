@@ -18,7 +18,8 @@ import pytest
 from hpctrain.compose import compose
 from hpctrain.layout import Layout
 from hpctrain.plan.flops import param_counts
-from hpctrain.plan.memory import GiB, in_flight, job_of, memory, model_state
+from hpctrain.plan.memory import (GiB, activations, in_flight, in_flight_with_grads, job_of, layer_activation_bytes,
+                                  memory, model_state, stage_memory)
 from hpctrain.plan.report import (MEGATRON_H100, calibration, calibration_table, explain, plan, plan_dict,
                                   save_memory_png, summary)
 from hpctrain.plan.search import Space, evaluate, nearest, search
@@ -74,10 +75,21 @@ def test_offload_moves_optimizer_state_off_device(job8):
     for m in (cpu, nvme):
         assert "master" not in m.device and "moments" not in m.device
     p = param_counts(job8.model)["total"]
-    assert on.device_total - cpu.device_total == pytest.approx(12 * p / 8, rel=1e-6)
-    assert cpu.host_per_rank["master"] + cpu.host_per_rank["moments"] == pytest.approx(12 * p / 8)
+    assert job8.layout.tp == 1 and job8.zero_group == 8
+    # FSDP2 with offload (tp=1) keeps the fp32 parameter and gradient shards on the host too: the device
+    # sheds master + moments (12P/8) and its bf16 parameter and gradient shards (4P/8) ...
+    assert on.device_total - cpu.device_total == pytest.approx(16 * p / 8, rel=1e-6)
+    assert "params" not in cpu.device and "grads" not in cpu.device
+    # ... and the host holds fp32 parameters (the master weights), fp32 gradients and moments.
+    assert {k: cpu.host_per_rank[k] for k in ("params_fp32", "grads_fp32", "moments")} == pytest.approx(
+        {"params_fp32": 4 * p / 8, "grads_fp32": 4 * p / 8, "moments": 8 * p / 8})
     assert cpu.host_per_node > on.host_per_node
-    assert nvme.nvme_per_node == pytest.approx(12 * p / 8 * 8) and "moments" not in nvme.host_per_rank
+    assert nvme.nvme_per_node == pytest.approx(8 * p / 8 * 8) and "moments" not in nvme.host_per_rank
+    assert nvme.host_per_rank["params_fp32"] == pytest.approx(4 * p / 8)
+    # With tensor parallel the parameters stay on the device and only master + moments leave it.
+    tp_on, tp_cpu = (memory(job8.with_(zero=3, offload=o, layout=Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2))) for o in ("none", "cpu"))
+    assert tp_cpu.device["params"] > 0 and tp_cpu.device["grads"] > 0
+    assert tp_cpu.host_per_rank["master"] + tp_cpu.host_per_rank["moments"] == pytest.approx(12 * (p / 2) / 4, rel=0.02)
     # DeepSpeed's estimator for ZeRO-2 + CPU offload keeps 2P on the GPU; we add the 2P/N gradient shard.
     state, off = model_state(p, "bf16", zero=2, shard=8, offload="cpu")
     assert sum(state.values()) == pytest.approx(2 * p * (1 + 1 / 8)) and sum(off.values()) == pytest.approx(16 * p / 8)
@@ -96,6 +108,107 @@ def test_activations_by_checkpointing_and_schedule(job8):
     assert in_flight("interleaved_1f1b", 4, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
     pp = job8.with_(layout=Layout(pp=4, dp_replicate=1, dp_shard=2, tp=1))
     assert memory(pp.with_(schedule="gpipe")).device_total > memory(pp.with_(schedule="1f1b")).device_total
+
+
+# The order in which torch's schedules run one stage's forwards (F) and backwards (B) over a step,
+# by (schedule, pp, micro-batches, stage); test_schedule_orders_are_torchs regenerates them from torch.
+TORCH_ORDERS = {
+    ("1f1b", 2, 2, 0): "F0F1B0B1", ("1f1b", 2, 2, 1): "F0B0F1B1",
+    ("1f1b", 2, 4, 0): "F0F1B0F2B1F3B2B3", ("1f1b", 2, 4, 1): "F0B0F1B1F2B2F3B3",
+    ("1f1b", 4, 4, 0): "F0F1F2F3B0B1B2B3", ("1f1b", 4, 4, 1): "F0F1F2B0F3B1B2B3",
+    ("1f1b", 4, 4, 3): "F0B0F1B1F2B2F3B3",
+    ("1f1b", 4, 8, 0): "F0F1F2F3B0F4B1F5B2F6B3F7B4B5B6B7", ("1f1b", 4, 8, 2): "F0F1B0F2B1F3B2F4B3F5B4F6B5F7B6B7",
+    ("gpipe", 2, 2, 0): "F0F1B0B1", ("gpipe", 4, 8, 1): "F0F1F2F3F4F5F6F7B0B1B2B3B4B5B6B7",
+}
+
+
+def _held(order: str) -> tuple[int, int]:
+    """(most micro-batches alive, most alive once the first backward is done): gradients are None at
+    the start of a step and exist from the first backward on, which frees its micro-batch."""
+    alive = most = with_grads = 0
+    grads = False
+    for op in order[::2]:
+        alive += 1 if op == "F" else -1
+        grads = grads or op == "B"
+        most = max(most, alive)
+        with_grads = max(with_grads, alive) if grads else with_grads
+    return most, with_grads
+
+
+def test_pipeline_in_flight_follows_torch_schedules():
+    for (sched, pp, m, stage), order in TORCH_ORDERS.items():
+        assert (in_flight(sched, pp, m, 1, stage), in_flight_with_grads(sched, pp, m, 1, stage)) == _held(order), \
+            (sched, pp, m, stage, order)
+    # Stage 0 at m == pp runs every forward before its first backward: pp micro-batches without
+    # gradients, pp - 1 with them. Stage 0 at m > pp and the last stage (m > 1) have a forward
+    # after the first backward: as many with gradients as without.
+    assert in_flight("1f1b", 2, 2, 1, 0) == 2 and in_flight_with_grads("1f1b", 2, 2, 1, 0) == 1
+    assert in_flight_with_grads("1f1b", 2, 4, 1, 0) == 2 and in_flight_with_grads("1f1b", 2, 2, 1, 1) == 1
+    # No pipeline: one micro-batch's backward frees its activations as it fills the gradients; a
+    # second micro-batch's forward runs with the first one's gradients.
+    assert in_flight_with_grads("1f1b", 1, 1, 1) == 0 and in_flight_with_grads("1f1b", 1, 4, 1) == 1
+
+
+def test_schedule_orders_are_torchs():
+    """TORCH_ORDERS is what torch's own schedule loops do: run them on a stage that only records."""
+    S = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+    class RecordingStage:
+        def __init__(self, stage, pp):
+            self.stage_index, self.num_stages, self.has_backward = stage, pp, True
+            self.is_first, self.is_last = stage == 0, stage == pp - 1
+            self.order = ""
+
+        def forward_one_chunk(self, i, *args, **kw):
+            self.order += f"F{i}"
+
+        def backward_one_chunk(self, i, *args, **kw):
+            self.order += f"B{i}"
+
+        def __getattr__(self, name):  # p2p ops (none: one process), grad scaling and the rest
+            return (lambda *a, **k: []) if name.endswith("_ops") else (lambda *a, **k: None)
+
+    classes = {"1f1b": S.Schedule1F1B, "gpipe": S.ScheduleGPipe}
+    for (sched, pp, m, stage), order in TORCH_ORDERS.items():
+        st = RecordingStage(stage, pp)
+        schedule = classes[sched](st, n_microbatches=m)
+        schedule._initialize_stage = lambda *a, **k: None
+        schedule._step_microbatches([()] * m, [{}] * m)
+        assert st.order == order, (sched, pp, m, stage)
+
+
+def test_pipeline_first_stage_peak_holds_one_microbatch_with_gradients():
+    # benchmarks/layouts.py's pp2: the small model, 2 stages, 2 micro-batches of 2 x 128 tokens, fp32.
+    job = job_of(compose(["+experiment=tiny", "model=small", "data.seq_len=128", "train.micro_batch=2",
+                          "train.global_batch=4", "parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                          "launcher.nproc=2"]), 2)
+    assert job.microbatches == 2
+    one = layer_activation_bytes(job.model, 2 * 128, 1, "fp32") * 4  # 4 blocks a stage
+    dev0 = stage_memory(job, 0)[0]
+    assert activations(job, 0)["activations"] == pytest.approx(2 * one)  # both forwards before B0
+    # The peak is the end of B0: every gradient, one micro-batch (the old count held two).
+    assert dev0["activations"] == pytest.approx(one) and dev0["grads"] == pytest.approx(4 * job_params(job, 0))
+    # Gradients smaller than a micro-batch's activations (e.g. a 32k-token micro-batch): the peak is
+    # the end of the warm-up instead, both micro-batches and no gradients.
+    long = job.with_(seq_len=32768)
+    dev_long = stage_memory(long, 0)[0]
+    assert "grads" not in dev_long and dev_long["activations"] == pytest.approx(activations(long, 0)["activations"])
+    # With 4 micro-batches a forward follows B0: both micro-batches and the gradients.
+    four = stage_memory(job.with_(global_batch=8), 0)[0]
+    assert four["activations"] == pytest.approx(2 * one) and four["grads"] == dev0["grads"]
+
+
+def test_ddp_buckets_copy_every_gradient(job8):
+    # DDP's reducer keeps a flat copy of every gradient (buckets of 25 MiB chunk it, all are allocated).
+    ddp = memory(job8.with_(zero=0)).device
+    assert ddp["ddp_buckets"] == pytest.approx(ddp["grads"])
+    assert "ddp_buckets" not in memory(job8.with_(zero=2)).device
+
+
+def job_params(job, stage: int) -> float:
+    from hpctrain.plan.memory import stage_params
+
+    return stage_params(job.model, job.layout.pp, job.layout.tp, stage).total
 
 
 def test_infeasible_request_says_why():

@@ -18,13 +18,17 @@ GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
 # Gradients are reduced in fp32 whatever the compute precision (config.TrainConfig.precision).
 REDUCE_BYTES = 4
-# DDP's default gradient bucket, two in flight.
-DDP_BUCKET_BYTES = 2 * 25 * 2**20
 # The caching allocator rounds and fragments: a share of what comes and goes within a step
 # (activations, transient buffers) stays reserved but unusable.
 FRAGMENTATION = 0.05
 # Per rank, outside the device: the Python process with torch, CUDA/NCCL host state, data loader.
 HOST_BASE_BYTES = 3 * GiB
+# The DTensor runtime (tensor parallel, FSDP2 = ZeRO-2/3) on top of the plain one, host memory: the
+# Python heap of sharding propagation (its caches, fake tensors, the source lines linecache reads
+# for their stack traces; 1.9-2.6 MiB by tracemalloc) and the library pages its ops touch
+# (+0.9-1.9 MiB of RssFile). Measured on CPU by benchmarks/layouts.py, the same for a 0.5M and a
+# 34M-parameter model. Device memory only where the device is the host (a CPU cluster).
+DTENSOR_RUNTIME_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,17 @@ def stage_params(m: Any, pp: int, tp: int, stage: int) -> StageParams:
     return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0))
 
 
-def model_state(params: float, precision: str, zero: int, shard: int, offload: str) -> tuple[dict, dict]:
+def model_state(params: float, precision: str, zero: int, shard: int, offload: str,
+                host_params: bool = False) -> tuple[dict, dict]:
     """(on device, off device) bytes of parameters, gradients, fp32 master weights and Adam moments.
 
     Mixed precision (bf16) keeps 2 + 2 + 4 + 8 = 16 bytes per parameter; fp32 keeps 4 + 4 + 8, the
     parameters being their own master copy. ZeRO-1 shards the optimizer state (master + moments) over
     `shard` ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Offloading moves master and
     moments to the host (cpu) or NVMe, where the host optimizer also needs the fp32 gradients.
+    `host_params` (FSDP2's CPU offload, see fsdp_host_params): the sharded parameters, in fp32 and
+    serving as master weights, and the sharded gradients live on the host as well; the device keeps
+    only what it gathers (all of it from forward to backward with ZeRO-2, a unit at a time with ZeRO-3).
     """
     pb = BYTES[precision]
     n = max(1, shard)
@@ -146,7 +154,18 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
         return state, {}
     off = {"master": state.pop("master"), "moments": state.pop("moments"),
            "grads_fp32": 4 * params / (n if zero >= 1 else 1)}
+    if host_params:
+        off["master"] = 0.0
+        off["params_fp32"] = 4 * params / n
+        state["grads"] = 0.0
+        if zero >= 3:
+            state["params"] = 0.0
     return state, off
+
+
+def fsdp_host_params(job: "Job") -> bool:
+    """hpctrain.parallel.apply.host_params: offload under FSDP2 without tensor parallel."""
+    return job.offload != "none" and job.zero >= 2 and job.layout.tp == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,11 +194,12 @@ def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str) -> float:
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak, in units of its layers.
+    """The most micro-batches whose activations stage `stage` holds at once, in units of its layers.
 
     GPipe runs every forward first (m). 1F1B holds pp - stage on stage s, so the first stage is the
     worst. Interleaving raises that by (1 + (pp-1)/(pp v)) (Korthikanti et al. 2022, sec. 4.2.3).
     The zero-bubble family keeps 1F1B's peak (ZB-H1 by design; ZBV/DualPipeV hold ~pp chunk pairs).
+    Whether they are all alive together with the gradients is in_flight_with_grads.
     """
     if pp == 1:
         return 1.0
@@ -193,6 +213,35 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
     return held
 
 
+def in_flight_with_grads(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` still holds once its gradients exist.
+
+    The trainer sets gradients to None after every optimizer step (zero_grad(set_to_none=True)), so
+    they come into existence during the stage's first backward, which frees the activations of the
+    micro-batch it runs as it goes. The in_flight micro-batches and the gradients are therefore alive
+    together only if a forward runs after that first backward:
+
+    - no pipeline: the trainer runs forward and backward per micro-batch, so the second micro-batch's
+      forward runs with the first one's gradients: 1 if m > 1, else 0 (the one backward frees the
+      activations as it fills the gradients).
+    - 1F1B (torch's Schedule1F1B): stage s warms up with w = min(m, pp - s) forwards, then alternates
+      one backward, one forward. If m > w the forward after the first backward brings the count back
+      to w, with gradients; if m == w (every forward of the step is in the warm-up, e.g. stage 0 at
+      m == pp) only w - 1 are left when the first backward ends.
+    - GPipe: every forward, then every backward: m - 1.
+    - the interleaved, zero-bubble and V schedules: as many as in_flight (their steady state, with
+      gradients, reaches the warm-up's count unless m is tiny; a conservative bound).
+    """
+    held = in_flight(schedule, pp, m, v, stage)
+    if pp == 1:
+        return 1.0 if m > 1 else 0.0
+    if schedule == "gpipe":
+        return float(m - 1)
+    if schedule == "1f1b":
+        return held if m > held else held - 1
+    return held
+
+
 def checkpointed_layers(ac: str, layers: int, every: int) -> int:
     if ac == "full":
         return layers
@@ -202,8 +251,9 @@ def checkpointed_layers(ac: str, layers: int, every: int) -> int:
 
 
 def activations(job: Job, stage: int) -> dict:
-    """Activation bytes of stage `stage` at its peak: saved tensors of the in-flight micro-batches,
-    the one block being recomputed, and the output layer's inputs on the last stage."""
+    """Activation bytes of stage `stage` at their most (in_flight micro-batches): saved tensors of the
+    in-flight micro-batches, the one block being recomputed, and the output layer's inputs on the last
+    stage. Whether all of them are alive together with the gradients is decided in stage_memory."""
     m, lay, pr = job.model, job.layout, job.precision
     tokens = job.micro_batch * job.seq_len
     layers = stage_layers(m.n_layers, lay.pp, stage)
@@ -254,14 +304,21 @@ def transients(job: Job, sp: StageParams) -> dict:
     m, lay = job.model, job.layout
     pb = BYTES[job.precision]
     out = {}
+    if job.zero == 2 and job.zero_group > 1 and not fsdp_host_params(job):
+        # FSDP2 without resharding after forward: the gathered parameters (the model state's
+        # "params") live from the forward to the end of the backward next to the rank's own shard.
+        out["param_shards"] = pb * sp.total / job.zero_group
     if job.zero >= 3 and job.zero_group > 1:
         # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
         # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
         out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)
-    elif job.zero >= 1 and job.zero_group > 1:
+    elif job.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
         out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
-    elif lay.dp > 1:
-        out["reduce_buffers"] = float(DDP_BUCKET_BYTES)
+    if job.zero <= 1 and lay.dp > 1:
+        # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
+        # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
+        # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
+        out["ddp_buckets"] = pb * sp.total
     if sp.stage == lay.pp - 1:
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
         # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
@@ -273,20 +330,41 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.layout
     sp = stage_params(job.model, lay.pp, lay.tp, stage)
-    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload)
+    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, fsdp_host_params(job))
+    acts = activations(job, stage)
+    extra = transients(job, sp)
+    # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,
+    # the last one's logits, no gradients yet: they are None between steps) and the rest of the step
+    # (the gradients with the micro-batches still or again in flight, logits if a forward runs then).
+    held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
+    held_g = in_flight_with_grads(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
+    logits = extra.pop("logits", 0.0)
+    before = acts["activations"] + logits
+    after = dev["grads"] + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)
+    if before > after:
+        dev["grads"] = 0.0
+    else:
+        acts["activations"] *= held_g / held
+        logits = logits if held_g >= 1 else 0.0
     dev = {k: v for k, v in dev.items() if v}
-    dev.update({k: v for k, v in activations(job, stage).items() if v})
-    dev.update(transients(job, sp))
-    churn = sum(v for k, v in dev.items() if k not in ("params", "grads", "master", "moments"))
+    dev.update({k: v for k, v in acts.items() if v})
+    if logits:
+        dev["logits"] = logits
+    dev.update(extra)
+    persistent = ("params", "grads", "master", "moments", "param_shards", "ddp_buckets")
+    churn = sum(v for k, v in dev.items() if k not in persistent)
     dev["fragmentation"] = FRAGMENTATION * churn
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB
+    if job.cluster.device == "cpu" and (lay.tp > 1 or job.zero >= 2):
+        dev["dtensor_runtime"] = float(DTENSOR_RUNTIME_BYTES)
     host = {"process": float(HOST_BASE_BYTES)}
     nvme = 0.0
+    off = {k: v for k, v in off.items() if v}
     if job.offload == "cpu":
         host.update(off)
     elif job.offload == "nvme":
-        nvme = off["master"] + off["moments"]
-        host["grads_fp32"] = off["grads_fp32"]
+        nvme = off.pop("master", 0.0) + off.pop("moments")
+        host.update(off)
         # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
         host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
     if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
