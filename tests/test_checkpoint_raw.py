@@ -47,12 +47,18 @@ def test_round_trip_is_exact(tmp_path, monkeypatch, buffer):
     for k, v in sd.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
     files = sorted(p.name for p in (tmp_path / "ck").glob("__*"))
-    assert files == ["__0_0.raw", "__0_1.raw", "__0_2.raw"]
+    assert files == ["__0_0.raw"]  # one file per rank, written by 3 threads in aligned regions
     md = read_metadata(tmp_path / "ck")
     check_files(tmp_path / "ck", md)
-    # Files hold exactly the tensors' bytes: the O_DIRECT tail padding is cut off again.
-    total = sum(f.stat().st_size for f in (tmp_path / "ck").glob("__*"))
-    assert total == sum(v.numel() * v.element_size() for v in sd.values())
+    # No item overlaps another, and each thread's region starts on an O_DIRECT boundary.
+    spans = sorted((i.offset, i.offset + i.length) for i in md.storage_data.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    starts = [a for a, _ in spans if a % raw.ALIGN == 0]
+    assert len(starts) >= 3
+    # The file ends with the last byte of data: the last O_DIRECT tail padding is cut off again.
+    data = sum(v.numel() * v.element_size() for v in sd.values())
+    size = (tmp_path / "ck" / "__0_0.raw").stat().st_size
+    assert size == max(b for _, b in spans) and data <= size < data + 3 * raw.ALIGN
 
 
 def test_reads_checkpoints_written_by_dcp_itself(tmp_path):
@@ -94,7 +100,7 @@ def test_truncated_raw_file_is_an_error_not_garbage(tmp_path):
     sd = {"w": torch.randn(1000)}
     save(sd, tmp_path / "ck", threads=1)
     f = tmp_path / "ck" / "__0_0.raw"
-    f.write_bytes(f.read_bytes()[:1000])
+    f.write_bytes(f.read_bytes()[:1000])  # one tensor, one thread: it starts at 0
     with pytest.raises(Exception, match="truncated"):
         check_files(tmp_path / "ck")
     with pytest.raises(BaseException, match="__0_0.raw is truncated: it ends at byte 1000"):
@@ -107,3 +113,24 @@ def test_refuses_to_overwrite_files(tmp_path):
     save(sd, tmp_path / "ck", threads=1)
     with pytest.raises(BaseException, match="File exists"):
         save(sd, tmp_path / "ck", threads=1)
+
+
+def test_stager_snapshots_into_buffers_it_reuses():
+    from hpctrain.checkpoint.stager import ReusingStager
+
+    w, step = torch.randn(4, 3), torch.tensor(5)
+    src = {"model": {"w": w}, "optim": {"w": {"step": step, "exp_avg": torch.randn(4, 3)[:, :2]}}}
+    st = ReusingStager()
+    first = st.stage(src)
+    snap = first["model"]["w"].clone()
+    assert torch.equal(snap, w) and first["model"]["w"].data_ptr() != w.data_ptr()
+    assert torch.equal(first["optim"]["w"]["exp_avg"], src["optim"]["w"]["exp_avg"])
+    w.add_(1)  # the next training step changes the source: the snapshot does not move
+    step += 1
+    assert torch.equal(first["model"]["w"], snap) and int(first["optim"]["w"]["step"]) == 5
+    second = st.stage(src)
+    assert second is first and second["model"]["w"] is first["model"]["w"]  # nothing re-allocated
+    assert torch.equal(second["model"]["w"], w) and int(second["optim"]["w"]["step"]) == 6
+    src["model"]["w"] = torch.randn(5, 3)  # another shape: buffers are rebuilt
+    third = st.stage(src)
+    assert third["model"]["w"].shape == (5, 3) and torch.equal(third["model"]["w"], src["model"]["w"])

@@ -116,11 +116,9 @@ class CheckpointManager:
     def _make_stager():
         """Stage into host buffers allocated once and reused by every later save: the loop then
         waits only for a memory copy. Pinned buffers need an accelerator."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from hpctrain.checkpoint.stager import ReusingStager
 
-        cuda = torch.cuda.is_available()
-        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=cuda))
+        return ReusingStager(pin_memory=torch.cuda.is_available())
 
     def wait(self) -> None:
         """Finish the save in flight, if any (a new save and the end of a run both wait)."""

@@ -1,10 +1,10 @@
 """DCP storage that writes tensors as raw bytes in large aligned requests, and reads them back.
 
 DCP's FileSystemWriter runs `torch.save` once per tensor through a Python stream: a zip archive
-per item, small writes, and page-cache traffic that the final fsync has to flush. Here each writer
-thread streams its share of this rank's tensors into one `.raw` file through a page-aligned bounce
-buffer with O_DIRECT (the disk's own sequential path, no page cache to flush or pollute), in
-requests of BUFFER bytes. Where the file system refuses O_DIRECT (tmpfs) the same requests go
+per item, small writes, and page-cache traffic that the final fsync has to flush. Here a rank writes
+one `.raw` file: each writer thread streams its share of the tensors into its own aligned region of
+it through a page-aligned bounce buffer with O_DIRECT (the disk's own sequential path, no page cache
+to flush or pollute), in requests of BUFFER bytes, and one fsync ends it. Where the file system refuses O_DIRECT (tmpfs) the same requests go
 through the page cache. DCP still plans the save and writes `.metadata`, so resharding on load,
 the commit protocol and the metadata checks are unchanged; the metadata points at (file, offset,
 length) as before, and the dtype and shape come from the metadata itself, so no pickle is read.
@@ -18,13 +18,12 @@ import errno
 import io
 import mmap
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 SUFFIX = ".raw"
@@ -32,26 +31,21 @@ ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffer addresses aligned to 
 BUFFER = 16 << 20
 
 
-class _Sink:
-    """Appends bytes to one file; writes leave in whole BUFFER-sized aligned requests."""
+class _Region:
+    """One writer thread's contiguous share of a rank's file, starting on an ALIGN boundary: bytes are
+    appended through a page-aligned bounce buffer and leave in whole BUFFER-sized requests."""
 
-    def __init__(self, path: str):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            self.fd, self.direct = os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.fd, self.direct = os.open(path, flags, 0o644), False
+    def __init__(self, fd: int, direct: bool, start: int):
+        self.fd, self.direct, self.start = fd, direct, start
         self.buf = mmap.mmap(-1, BUFFER)  # anonymous mappings are page-aligned
         self.view = torch.frombuffer(self.buf, dtype=torch.uint8)
         self.fill = 0  # bytes waiting in the buffer
-        self.flushed = 0  # file offset where the buffer starts
-        self.length = 0  # bytes appended
+        self.flushed = start  # file offset where the buffer starts
+        self.end = start  # file offset after the last byte appended
 
     def append(self, data: torch.Tensor) -> int:
         """Append a flat uint8 tensor (on any device); returns its offset in the file."""
-        start, n, i = self.length, data.numel(), 0
+        offset, n, i = self.end, data.numel(), 0
         while i < n:
             k = min(BUFFER - self.fill, n - i)
             self.view[self.fill:self.fill + k].copy_(data[i:i + k])
@@ -59,8 +53,8 @@ class _Sink:
             i += k
             if self.fill == BUFFER:
                 self._write(BUFFER)
-        self.length += n
-        return start
+        self.end += n
+        return offset
 
     def _write(self, nbytes: int) -> None:
         mv, done = memoryview(self.buf)[:nbytes], 0
@@ -70,19 +64,26 @@ class _Sink:
         self.flushed += self.fill
         self.fill = 0
 
-    def close(self, fsync: bool) -> None:
+    def close(self) -> None:
+        """Write what is left, padded to ALIGN with zeros (inside this region's aligned share)."""
         try:
             if self.fill:
                 pad = -self.fill % ALIGN if self.direct else 0
                 self.view[self.fill:self.fill + pad].zero_()
                 self._write(self.fill + pad)
-                os.ftruncate(self.fd, self.length)
-            if fsync:
-                os.fsync(self.fd)
         finally:
-            os.close(self.fd)
             del self.view
             self.buf.close()
+
+
+def _open(path: str) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, 0o644), False  # tmpfs and others without O_DIRECT
 
 
 def _as_bytes(data) -> torch.Tensor:
@@ -93,59 +94,81 @@ def _as_bytes(data) -> torch.Tensor:
     return data.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _item_bytes(item) -> int:
-    if item.type == WriteItemType.BYTE_IO:
-        return 0
-    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
 def _split(items: list, bins: int) -> list[list]:
-    """Largest first onto the least-loaded bin: each thread gets about the same number of bytes."""
+    """(item, bytes) pairs, largest first onto the least-loaded bin: each thread writes about the same
+    number of bytes."""
     bins = max(1, min(bins, len(items)))
     out, load = [[] for _ in range(bins)], [0] * bins
-    for item in sorted(items, key=_item_bytes, reverse=True):
+    for pair in sorted(items, key=lambda p: p[1].numel(), reverse=True):
         i = load.index(min(load))
-        out[i].append(item)
-        load[i] += _item_bytes(item)
-    return out
+        out[i].append(pair)
+        load[i] += pair[1].numel()
+    return [b for b in out if b]
 
 
 class RawWriter(FileSystemWriter):
+    """One file per rank (`__<rank>_0.raw`, like the disk's own sequential-write test: one file,
+    several writers, one fsync), cut into `thread_count` aligned regions written in parallel."""
+
     def write_data(self, plan, planner) -> torch.futures.Future:
-        prefix = plan.storage_data.prefix
-        results: list[WriteResult] = []
-        lock = threading.Lock()
+        name = f"{plan.storage_data.prefix}0{SUFFIX}"
+        items = [(item, _as_bytes(planner.resolve_data(item))) for item in plan.items]
+        shares = _split(items, self.thread_count)
+        starts, at = [], 0
+        for share in shares:
+            starts.append(at)
+            at += _round_up(sum(data.numel() for _, data in share), ALIGN)
+        results: list[list[WriteResult]] = [[] for _ in shares]
+        fd, direct = _open(os.path.join(self.path, name))
+        try:
+            def write_share(n: int) -> None:
+                region = _Region(fd, direct, starts[n])
+                try:
+                    for item, data in shares[n]:
+                        offset = region.append(data)
+                        results[n].append(WriteResult(index=item.index, size_in_bytes=data.numel(),
+                                                      storage_data=_StorageInfo(name, offset, data.numel())))
+                finally:
+                    region.close()
 
-        def write_file(n: int, items: list) -> None:
-            name = f"{prefix}{n}{SUFFIX}"
-            sink = _Sink(os.path.join(self.path, name))
-            mine = []
-            try:
-                for item in items:
-                    data = _as_bytes(planner.resolve_data(item))
-                    offset = sink.append(data)
-                    mine.append(WriteResult(index=item.index, size_in_bytes=data.numel(),
-                                            storage_data=_StorageInfo(name, offset, data.numel())))
-            finally:
-                sink.close(self.sync_files)
-            with lock:
-                results.extend(mine)
-
-        buckets = _split(plan.items, self.thread_count)
-        with ThreadPoolExecutor(len(buckets)) as pool:
-            for f in [pool.submit(write_file, n, b) for n, b in enumerate(buckets)]:
-                f.result()  # the first failure (ENOSPC, EIO) propagates to DCP, which fails the save
+            with ThreadPoolExecutor(max(1, len(shares))) as pool:
+                for f in [pool.submit(write_share, n) for n in range(len(shares))]:
+                    f.result()  # the first failure (ENOSPC, EIO) propagates to DCP, which fails the save
+            if shares:
+                os.ftruncate(fd, starts[-1] + sum(data.numel() for _, data in shares[-1]))  # the last pad
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(results)
+        fut.set_result([r for share in results for r in share])
         return fut
 
 
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
 def read_raw(root: str, metadata, storage_data: dict, items: list, planner, threads: int = 4) -> None:
-    """Fill the planner's tensors from `.raw` files: one thread per file, each item read straight
-    into its destination when the destination is the whole stored chunk (the common case)."""
+    """Fill the planner's tensors from `.raw` files: `threads` readers over each file's requests in
+    file order, each item read straight into its destination when the destination is the whole
+    stored chunk (the common case)."""
     per_file: dict[str, list] = {}
     for req in items:
         per_file.setdefault(storage_data[req.storage_index].relative_path, []).append(req)
+    tasks = []
+    for rel, reqs in per_file.items():
+        reqs = sorted(reqs, key=lambda r: storage_data[r.storage_index].offset)
+        total = sum(storage_data[r.storage_index].length for r in reqs)
+        share, acc = [], 0
+        for r in reqs:  # consecutive runs of about total / threads bytes
+            share.append(r)
+            acc += storage_data[r.storage_index].length
+            if acc >= total / threads:
+                tasks.append((rel, share))
+                share, acc = [], 0
+        if share:
+            tasks.append((rel, share))
 
     def read_file(rel: str, reqs: list) -> list:
         done = []
@@ -174,8 +197,8 @@ def read_raw(root: str, metadata, storage_data: dict, items: list, planner, thre
             os.close(fd)
         return done
 
-    with ThreadPoolExecutor(max(1, min(threads, len(per_file)))) as pool:
-        futures = [pool.submit(read_file, rel, reqs) for rel, reqs in per_file.items()]
+    with ThreadPoolExecutor(max(1, min(threads, len(tasks)))) as pool:
+        futures = [pool.submit(read_file, rel, reqs) for rel, reqs in tasks]
         for f in futures:
             for req, target in f.result():
                 planner.commit_tensor(req, target)
