@@ -67,8 +67,9 @@ def _slurm(env: Mapping[str, str]) -> DistEnv:
 
 
 def slurm_port(job_id: str) -> int:
-    """A port that differs between jobs sharing a node and stays fixed across a job's requeues."""
-    return 20000 + zlib.crc32(job_id.encode()) % 20000
+    """A port that differs between jobs sharing a node and stays fixed across a job's requeues. Below
+    Linux's ephemeral range (32768-60999 by default), where outgoing connections would take it first."""
+    return 16000 + zlib.crc32(job_id.encode()) % 16000
 
 
 def _first_int(tasks_per_node: str) -> int:
