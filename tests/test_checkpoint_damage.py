@@ -151,6 +151,34 @@ def test_retention_keeps_newest_and_sweeps_temporaries(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000005", "step-00000006"]
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_later_saves_hold_current_values_and_replaced_tensors(tmp_path, blocking):
+    """A save reuses the state dict of the previous one while its tensors are the same objects:
+    in-place updates show, and a tensor replaced in the optimizer's state is noticed."""
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=4", "checkpoint.every=0")
+    t.train_step()
+    t.step = 1
+    t.save(blocking=blocking)
+    t.train_step()  # updates parameters and moments in place
+    t.step = 2
+    t.save(blocking=blocking)
+    p = t.params[0]
+    t.optimizer.state[p]["exp_avg"] = torch.full_like(t.optimizer.state[p]["exp_avg"], 7.0)  # replaced
+    t.step = 3
+    t.save(blocking=blocking)
+    t.ckpt.close()
+    for step, want_sevens in ((2, False), (3, True)):
+        fresh = trainer(run, "train.steps=4", f"checkpoint.load_step={step}")
+        fresh.resume(lambda w: None)
+        got = fresh.optimizer.state[fresh.params[0]]["exp_avg"]
+        assert bool((got.full_tensor() if hasattr(got, "full_tensor") else got).eq(7.0).all()) is want_sevens
+        if step == 2:  # the values after the second step, not the first
+            for a, b in zip(fresh.params, t.params):
+                assert torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
+                                   b.full_tensor() if hasattr(b, "full_tensor") else b)
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
     def mount(size: str) -> Path:

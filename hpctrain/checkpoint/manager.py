@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from hpctrain.checkpoint import rng, store
 from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.faults import wrap_writer
-from hpctrain.parallel.state import checkpoint_state, load_checkpoint_state
+from hpctrain.parallel.state import checkpoint_state, load_checkpoint_state, state_key
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 
@@ -75,6 +75,7 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
         self.saves: list[dict] = []  # timings, for benchmarks and logs
         self._purge: Optional[threading.Thread] = None
+        self._saved_state: Optional[tuple] = None  # (state_key, checkpoint_state) of the last save
 
     # ---------------------------------------------------------------- saving
 
@@ -86,7 +87,7 @@ class CheckpointManager:
         tmp = store.tmp_dir(self.root, step, self._start(step))
         tmp.mkdir(parents=True, exist_ok=True)  # every rank: the nonce makes the name fresh
         rng.save(tmp, self.rank)
-        state = checkpoint_state(parts, optimizer)
+        state = self._state_to_save(parts, optimizer)
         info = {"step": step, "world_size": self.world, "time": time.time(), **extra,
                 "config": self.config_dict, "torch": torch.__version__}
         writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
@@ -133,6 +134,15 @@ class CheckpointManager:
                 raise
             self._abandon(p.tmp, p.step, e)
         self._commit(p, None)
+
+    def _state_to_save(self, parts, optimizer) -> dict:
+        """checkpoint_state, built again only when a tensor in it was replaced (building it asks DCP
+        for every parameter's name and placement: tens of ms the loop would wait for at every save)."""
+        key = state_key(parts, optimizer)
+        if self._saved_state is None or self._saved_state[0] != key:
+            state = checkpoint_state(parts, optimizer)
+            self._saved_state = (state_key(parts, optimizer), state)  # holding it keeps the ids unique
+        return self._saved_state[1]
 
     def close(self) -> None:
         """The end of a run: the last save is on disk and old checkpoints are deleted."""
@@ -221,6 +231,7 @@ class CheckpointManager:
         cands = self.candidates()
         if not cands:
             return None
+        self._saved_state = None  # a load may replace tensors
         state = checkpoint_state(parts, optimizer)
         wanted = self._all_shapes(expected_shapes(state))
         problems = []

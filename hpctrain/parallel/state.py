@@ -66,6 +66,15 @@ def init_optimizer_state(parts: list[nn.Module], optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def state_key(parts: list[nn.Module], optimizer) -> tuple:
+    """The identity of every tensor checkpoint_state would hold: while it is unchanged, a state dict
+    built earlier refers to the same (updated in place) tensors and can be saved again as it is."""
+    params = tuple(id(p) for part in parts for p in part.parameters())
+    opt = _plain_optimizer(optimizer)
+    states = tuple(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return params, states
+
+
 def checkpoint_state(parts: list[nn.Module], optimizer) -> dict:
     init_optimizer_state(parts, optimizer)
     return {"model": model_state(parts), "optim": optimizer_state(parts, optimizer)}
