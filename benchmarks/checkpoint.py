@@ -82,8 +82,9 @@ def disk_baseline(d: Path, nbytes: int) -> dict:
 
 def worker(run_dir: Path, out: Path, overrides: list[str], reps: int) -> None:
     """Each repetition: a synchronous save, the disk baseline on the same number of bytes (rank 0,
-    the other rank waiting), an asynchronous save, a load. Ratios pair a save or load with the
-    baseline of its own repetition: the disk's speed drifts by tens of percent over a minute here."""
+    the other rank waiting), an asynchronous save; then as many loads. Ratios pair a save or load
+    with the baseline of its own repetition: the disk's speed drifts by tens of percent over a
+    minute here."""
     import torch
     import torch.distributed as dist
 
@@ -120,6 +121,7 @@ def worker(run_dir: Path, out: Path, overrides: list[str], reps: int) -> None:
             else:
                 res["async_blocked_s"].append(blocked)
                 res["async_total_s"].append(total)
+    for _ in range(reps):  # loads last: as in training, nothing between two saves replaces the state
         dist.barrier()
         if rank == 0:
             res["dropped_cache"] = drop_caches()
