@@ -47,7 +47,8 @@ import torch  # noqa: E402
 
 from hpctrain.offload import HostAdamW  # noqa: E402
 from hpctrain.offload.adam_kernel import AdamKernel, _plain, memory_ceiling_kernel  # noqa: E402
-from hpctrain.offload.aio import AsyncIO, aligned_empty, open_direct  # noqa: E402
+from hpctrain.directio import aligned_empty, open_direct  # noqa: E402
+from hpctrain.offload.aio import AsyncIO  # noqa: E402
 
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -203,9 +204,9 @@ def ours_io(path: Path, buf: torch.Tensor, write: bool, queue_depth: int, block:
     if write and path.exists():
         path.unlink()
     if write:
-        fd, direct = open_direct(str(path), True)
+        fd, _ = open_direct(str(path), True)
     else:
-        fd, direct = os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     io = AsyncIO(queue_depth, block)
     t0 = time.perf_counter()
     (io.write if write else io.read)(fd, buf, 0).wait()

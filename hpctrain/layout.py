@@ -38,3 +38,11 @@ def layout_of(cfg: Any, world: int | None = None) -> Layout:
         rest = p.pp * p.dp_replicate * p.tp
         dp_shard = world // rest if rest > 0 and world % rest == 0 else 0
     return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp)
+
+
+def params_on_host(offload: str, zero: int, tp: int) -> bool:
+    """Whether optimizer offload also moves the sharded parameters and gradients to host memory:
+    under FSDP2 (ZeRO 2/3) without tensor parallel, FSDP2's CPU offload streams them (see
+    hpctrain.parallel.data.apply_fsdp). Otherwise the parameters stay on the device and the host
+    optimizer stages their shards itself. The engine and the planner both ask this."""
+    return offload != "none" and zero >= 2 and tp == 1

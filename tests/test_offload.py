@@ -22,7 +22,8 @@ from hpctrain.compose import compose
 from hpctrain.offload import HostAdamW, OffloadError
 from hpctrain.offload import nvme as nvme_mod
 from hpctrain.offload.adam_kernel import AdamKernel
-from hpctrain.offload.aio import AsyncIO, aligned_empty, open_direct
+from hpctrain.directio import aligned_empty, open_direct
+from hpctrain.offload.aio import AsyncIO
 
 PARAM_TOL = 2e-6  # |param - torch AdamW| after a few steps, fp32
 LOSS_TOL = 2e-6  # relative, whole runs with and without offload

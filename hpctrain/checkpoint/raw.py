@@ -14,9 +14,7 @@ Files ending in `.distcp` (checkpoints written by DCP's own writer) are still re
 from __future__ import annotations
 
 import dataclasses
-import errno
 import io
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +24,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from hpctrain.directio import ALIGN, aligned_empty, open_direct, round_up
+
 SUFFIX = ".raw"
-ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical block
 BUFFER = 16 << 20
 
 
@@ -36,9 +35,9 @@ class _Region:
     appended through a page-aligned bounce buffer and leave in whole BUFFER-sized requests."""
 
     def __init__(self, fd: int, direct: bool, start: int):
-        self.fd, self.direct, self.start = fd, direct, start
-        self.buf = mmap.mmap(-1, BUFFER)  # anonymous mappings are page-aligned
-        self.view = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.fd, self.direct = fd, direct
+        # Page-locked where an accelerator exists: device tensors are copied into it directly.
+        self.view = aligned_empty(BUFFER, pin=torch.cuda.is_available())
         self.fill = 0  # bytes waiting in the buffer
         self.flushed = start  # file offset where the buffer starts
         self.end = start  # file offset after the last byte appended
@@ -57,33 +56,18 @@ class _Region:
         return offset
 
     def _write(self, nbytes: int) -> None:
-        mv, done = memoryview(self.buf)[:nbytes], 0
+        mv, done = memoryview(self.view[:nbytes].numpy()), 0
         while done < nbytes:
             done += os.pwrite(self.fd, mv[done:], self.flushed + done)
-        mv.release()
         self.flushed += self.fill
         self.fill = 0
 
     def close(self) -> None:
         """Write what is left, padded to ALIGN with zeros (inside this region's aligned share)."""
-        try:
-            if self.fill:
-                pad = -self.fill % ALIGN if self.direct else 0
-                self.view[self.fill:self.fill + pad].zero_()
-                self._write(self.fill + pad)
-        finally:
-            del self.view
-            self.buf.close()
-
-
-def _open(path: str) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    try:
-        return os.open(path, flags | os.O_DIRECT, 0o644), True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return os.open(path, flags, 0o644), False  # tmpfs and others without O_DIRECT
+        if self.fill:
+            pad = -self.fill % ALIGN if self.direct else 0
+            self.view[self.fill:self.fill + pad].zero_()
+            self._write(self.fill + pad)
 
 
 def _as_bytes(data) -> torch.Tensor:
@@ -117,19 +101,17 @@ class RawWriter(FileSystemWriter):
         starts, at = [], 0
         for share in shares:
             starts.append(at)
-            at += _round_up(sum(data.numel() for _, data in share), ALIGN)
+            at += round_up(sum(data.numel() for _, data in share), ALIGN)
         results: list[list[WriteResult]] = [[] for _ in shares]
-        fd, direct = _open(os.path.join(self.path, name))
+        fd, direct = open_direct(os.path.join(self.path, name), True, mode=0o644)  # readable like DCP's files
         try:
             def write_share(n: int) -> None:
                 region = _Region(fd, direct, starts[n])
-                try:
-                    for item, data in shares[n]:
-                        offset = region.append(data)
-                        results[n].append(WriteResult(index=item.index, size_in_bytes=data.numel(),
-                                                      storage_data=_StorageInfo(name, offset, data.numel())))
-                finally:
-                    region.close()
+                for item, data in shares[n]:
+                    offset = region.append(data)
+                    results[n].append(WriteResult(index=item.index, size_in_bytes=data.numel(),
+                                                  storage_data=_StorageInfo(name, offset, data.numel())))
+                region.close()
 
             with ThreadPoolExecutor(max(1, len(shares))) as pool:
                 for f in [pool.submit(write_share, n) for n in range(len(shares))]:
@@ -143,10 +125,6 @@ class RawWriter(FileSystemWriter):
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([r for share in results for r in share])
         return fut
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 def read_raw(root: str, metadata, storage_data: dict, items: list, planner, threads: int = 4) -> None:

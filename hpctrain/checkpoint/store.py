@@ -95,19 +95,11 @@ def commit(tmp: Path, root: Path, step: int, info: dict) -> Path:
     return final
 
 
-def retain(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints and every leftover temporary dir.
-
-    `protect` (the checkpoint just committed) is never deleted, whatever `keep` says.
-    """
-    doomed = doom(root, keep, protect)
-    purge(doomed)
-    return doomed
-
-
 def doom(root: Path, keep: int, protect: Path | None = None) -> list[Path]:
-    """The quick half of `retain`: rename what is to go out of discovery's sight, return the
-    directories to purge. A crash before the purge leaves `.del-*` dirs the next call picks up."""
+    """Retention, the quick half: all but the newest `keep` complete checkpoints (never `protect`, the
+    one just committed) are renamed out of discovery's sight, and returned with every leftover
+    temporary dir for `purge` to delete. A crash before the purge leaves `.del-*` dirs the next call
+    picks up."""
     removed = []
     complete = list_complete(root)
     for _, path in complete[:-keep] if keep > 0 else []:

@@ -7,8 +7,8 @@ computes. One logical request (a chunk of a state tensor) is split into blocks a
 next chunk into this buffer" onto "the write-back of this buffer finished").
 
 With O_DIRECT the page cache is bypassed (what an NVMe drive shared with the OS needs): offsets,
-lengths and buffer addresses must be multiples of ALIGN, which `aligned_empty` and the callers'
-layouts guarantee. File systems that refuse O_DIRECT (older tmpfs, some network file systems) get
+lengths and buffer addresses must be multiples of ALIGN, which hpctrain.directio.aligned_empty and
+the callers' layouts guarantee. File systems that refuse O_DIRECT (older tmpfs, some network file systems) get
 buffered I/O instead, with a note in the log.
 """
 from __future__ import annotations
@@ -22,32 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
+from hpctrain.directio import ALIGN
+
 log = logging.getLogger("hpctrain")
-
-ALIGN = 4096
-
-
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` whose address is a multiple of ALIGN (O_DIRECT's rule),
-    page-locked when `pin` (only where an accelerator exists)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes]
-
-
-def open_direct(path: str, direct: bool) -> tuple[int, bool]:
-    """Open (create) `path` read-write; with O_DIRECT when asked and the file system allows it.
-    Returns (fd, whether O_DIRECT is on)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            log.info("%s: the file system refuses O_DIRECT; using buffered I/O", os.path.dirname(path))
-    return os.open(path, flags, 0o600), False
-
 
 class Batch:
     """Completion of a group of block requests: `wait()` returns when all are done (raising the first

@@ -37,7 +37,7 @@ import torch
 from torch.optim import Optimizer
 
 from hpctrain.offload.adam_kernel import AdamKernel
-from hpctrain.offload.aio import aligned_empty
+from hpctrain.directio import aligned_empty, round_up
 
 log = logging.getLogger("hpctrain")
 
@@ -67,10 +67,6 @@ def settings(cfg: Any = None, **overrides) -> SimpleNamespace:
                 out[k] = v
     out.update(overrides)
     return SimpleNamespace(**out)
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -243,13 +239,13 @@ class HostAdamW(Optimizer):
                     raise OffloadError(f"offloaded AdamW supports fp32, bf16 and fp16 parameters, not {loc.dtype}")
                 slots.append(Slot(p, gi, len(slots), off, loc.numel(), separate_master=lowp or not on_host,
                                   expose_master=lowp))
-                off += _round_up(loc.numel(), ALIGN_ELEMS)
+                off += round_up(loc.numel(), ALIGN_ELEMS)
         self._slots, self._numel, self._device = slots, off, device
         self._pin = bool(self.offload.pin_memory) and not on_host and _accelerator_available()
         self._steps = torch.zeros(len(slots), dtype=torch.float32)
         any_master = any(s.separate_master for s in slots)
         chunk_bytes = getattr(self.offload, "chunk_bytes", None) or int(self.offload.chunk_mb) << 20
-        chunk = max(ALIGN_ELEMS, _round_up(int(chunk_bytes) // 4, ALIGN_ELEMS))
+        chunk = max(ALIGN_ELEMS, round_up(int(chunk_bytes) // 4, ALIGN_ELEMS))
         chunk = min(chunk, max(ALIGN_ELEMS, off))  # no buffer larger than the state itself
         kinds = MOMENTS
         if self.offload.target == "nvme":

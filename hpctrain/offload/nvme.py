@@ -28,7 +28,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from hpctrain.offload.aio import ALIGN, AsyncIO, Batch, aligned_empty, open_direct
+from hpctrain.directio import ALIGN, aligned_empty, open_direct
+from hpctrain.offload.aio import AsyncIO, Batch
 from hpctrain.offload.cpu import Chunk, OffloadError
 
 log = logging.getLogger("hpctrain")

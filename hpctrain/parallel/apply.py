@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from hpctrain.layout import params_on_host
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data import apply_ddp, apply_fsdp
 from hpctrain.parallel.init import materialize
@@ -32,13 +33,6 @@ class Parallelized:
     @property
     def last(self) -> bool:
         return self.num_stages - 1 in self.stage_indices
-
-
-def host_params(cfg) -> bool:
-    """Optimizer offload under FSDP2 keeps the sharded parameters and gradients in host memory too
-    (FSDP2's CPU offload streams them; see apply_fsdp). With tensor parallel the parameters stay on the
-    device and the host optimizer stages their shards itself."""
-    return cfg.offload.target != "none" and cfg.parallel.zero >= 2 and cfg.parallel.tp == 1
 
 
 def parallelize(model: nn.Module, meshes, cfg, device: torch.device, init_param_) -> Parallelized:
@@ -68,7 +62,7 @@ def parallelize(model: nn.Module, meshes, cfg, device: torch.device, init_param_
         if p.zero >= 2:
             # ZeRO-2 keeps parameters gathered from forward through backward; ZeRO-3 re-gathers them
             # per block in backward. With pipelining each block runs once per micro-batch: gather once.
-            host = host_params(cfg)
+            host = params_on_host(cfg.offload.target, p.zero, p.tp)
             apply_fsdp(part, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch.float32,
                        reshard_after_forward=(p.zero == 3 and p.pp == 1), host_params=host,
                        pin_memory=host and device.type == "cuda" and bool(cfg.offload.pin_memory))

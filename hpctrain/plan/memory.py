@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpctrain.config import ClusterConfig, ModelConfig
-from hpctrain.layout import Layout, layout_of
+from hpctrain.layout import Layout, layout_of, params_on_host
 from hpctrain.plan.flops import param_counts
 
 GiB = 2**30
@@ -139,7 +139,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
     parameters being their own master copy. ZeRO-1 shards the optimizer state (master + moments) over
     `shard` ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Offloading moves master and
     moments to the host (cpu) or NVMe, where the host optimizer also needs the fp32 gradients.
-    `host_params` (FSDP2's CPU offload, see fsdp_host_params): the sharded parameters, in fp32 and
+    `host_params` (FSDP2's CPU offload, hpctrain.layout.params_on_host): the sharded parameters, in fp32 and
     serving as master weights, and the sharded gradients live on the host as well; the device keeps
     only what it gathers (all of it from forward to backward with ZeRO-2, a unit at a time with ZeRO-3).
     """
@@ -161,11 +161,6 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
         if zero >= 3:
             state["params"] = 0.0
     return state, off
-
-
-def fsdp_host_params(job: "Job") -> bool:
-    """hpctrain.parallel.apply.host_params: offload under FSDP2 without tensor parallel."""
-    return job.offload != "none" and job.zero >= 2 and job.layout.tp == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +299,7 @@ def transients(job: Job, sp: StageParams) -> dict:
     m, lay = job.model, job.layout
     pb = BYTES[job.precision]
     out = {}
-    if job.zero == 2 and job.zero_group > 1 and not fsdp_host_params(job):
+    if job.zero == 2 and job.zero_group > 1 and not params_on_host(job.offload, job.zero, job.layout.tp):
         # FSDP2 without resharding after forward: the gathered parameters (the model state's
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
@@ -330,7 +325,7 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.layout
     sp = stage_params(job.model, lay.pp, lay.tp, stage)
-    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, fsdp_host_params(job))
+    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, params_on_host(job.offload, job.zero, job.layout.tp))
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,
