@@ -88,7 +88,7 @@ def trainer(cfg, rank: int):
     """A Trainer in a throw-away run directory (the benchmarks save nothing)."""
     import torch
 
-    from hpctrain.train import Trainer
+    from hpctrain.train.loop import Trainer
 
     if not _SCRATCH:
         _SCRATCH.append(tempfile.mkdtemp(prefix="hpctrain-bench-"))

@@ -91,7 +91,7 @@ def worker(run_dir: Path, out: Path, overrides: list[str], reps: int) -> None:
     from hpctrain.checkpoint import store
     from hpctrain.compose import compose
     from hpctrain.dist.bootstrap import detect, init
-    from hpctrain.train import Trainer
+    from hpctrain.train.loop import Trainer
 
     cfg = compose([*overrides, f"run.dir={run_dir}"])
     init(detect(), "gloo", 600, 1)
@@ -127,7 +127,7 @@ def worker(run_dir: Path, out: Path, overrides: list[str], reps: int) -> None:
             res["dropped_cache"] = drop_caches()
         dist.barrier()
         t0 = time.perf_counter()
-        t.ckpt.load_latest(t.parts, t.optimizer, print)
+        t.ckpt.resume(print)
         dist.barrier()
         res["load_s"].append(time.perf_counter() - t0)
     if rank == 0:

@@ -137,7 +137,7 @@ def worker(out: str, spec: str) -> None:
     # Per step, peak - base once forward/backward is done (gradient clipping starts) and once
     # clipping is done; with peak_after_step (after the optimizer) they say which phase sets the peak.
     phases: list = []
-    import hpctrain.train as train_mod
+    import hpctrain.train.loop as train_mod
 
     clip = train_mod.grad_norm_and_clip
 

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from hpctrain.offload import HostAdamW  # noqa: E402
 from hpctrain.offload.adam_kernel import AdamKernel, _plain, memory_ceiling_kernel  # noqa: E402
-from hpctrain.directio import aligned_empty, open_direct  # noqa: E402
+from hpctrain.checkpoint.directio import aligned_empty, open_direct  # noqa: E402
 from hpctrain.offload.aio import AsyncIO  # noqa: E402
 
 HP = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

@@ -70,12 +70,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import REPO, launch_ranks, median  # noqa: E402
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"]  # config.PipelineSchedule
 SHAPE = dict(dim=256, layers=8, heads=4, kv_heads=2, ffn=768, vocab=1024, seq=128, micro_batch=2)
 
 
 def stages_per_rank(schedule: str) -> int:
-    from hpctrain.parallel.pipeline import stages_per_rank as spr
+    from hpctrain.spec import stages_per_rank as spr
 
     return spr(schedule, 1)
 

@@ -39,9 +39,9 @@ def worker(out: Path, steps: int) -> None:
 
     from hpctrain.compose import compose
     from hpctrain.dist.bootstrap import detect, init
-    from hpctrain.metrics import MetricsLogger
-    from hpctrain.preempt import Preemption
-    from hpctrain.train import Trainer
+    from hpctrain.train.metrics import MetricsLogger
+    from hpctrain.train.preempt import Preemption
+    from hpctrain.train.loop import Trainer
 
     sys.path.insert(0, str(Path(__file__).parent))
     from plain_ddp import PlainDDP

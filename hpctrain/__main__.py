@@ -10,12 +10,11 @@ import sys
 from omegaconf import OmegaConf
 
 from hpctrain.compose import ConfigError, compose
-from hpctrain.check import check, launch_problems
-from hpctrain.layout import layout_of
-from hpctrain.plan.flops import param_counts
+from hpctrain.plan.check import check, compose_checked
 from hpctrain.plan.login import choose_layout, plan_and_check, write_plan
 from hpctrain.plan.report import summary as plan_summary
-from hpctrain.rundir import clear_outcome, prepare_run_dir, read_outcome
+from hpctrain.rundir import clear_outcome, overwrite_problem, prepare_run_dir, read_outcome
+from hpctrain.spec import engine_spec
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
 
@@ -30,26 +29,14 @@ USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experi
 
 
 def summary(cfg) -> str:
-    params = param_counts(cfg.model)["total"]
-    lay = layout_of(cfg)
+    spec = engine_spec(cfg)
+    params, lay = spec.params, spec.layout
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return (f"model {cfg.model.name}: {params / 1e9:.3f} B parameters ({params:,})\n"
             f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
             f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "
             f"{cfg.train.steps} steps\n"
             f"run dir: {cfg.run.dir}")
-
-
-def refuse_overwrite(cfg) -> None:
-    from pathlib import Path
-
-    from hpctrain.checkpoint.store import list_complete
-
-    existing = list_complete(Path(cfg.run.dir) / "checkpoints")
-    if existing and not cfg.checkpoint.resume:
-        raise ConfigError(f"{cfg.run.dir} already holds checkpoints (newest step {existing[-1][0]}) and "
-                          "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
-                          "or drop checkpoint.resume=false to continue that run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     show_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        cfg = compose(overrides)
-        if show_cfg:
+        cfg, refused = compose_checked(overrides)
+        if show_cfg and not refused:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
-        if cfg.parallel.auto:
+        if cfg.parallel.auto and not refused:
             chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
             cfg = compose([*overrides, *chosen, "parallel.auto=false"])
             print("parallel=auto chose: " + " ".join(chosen))
-        check(cfg)
+        check(cfg, refused)
         print(summary(cfg), flush=True)
         the_plan = plan_and_check(cfg, for_launch=not cfg.dry_run)
         print(plan_summary(the_plan))
@@ -82,10 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("---")
             print("dry run: nothing started")
             return 0
-        problems = launch_problems(cfg)
-        if problems:
-            raise ConfigError("cannot start this run:\n" + "\n".join(f"  - {p}" for p in problems))
-        refuse_overwrite(cfg)
+        problem = overwrite_problem(cfg.run.dir, cfg.checkpoint.resume)
+        if problem:
+            raise ConfigError(problem)
         run_dir = prepare_run_dir(cfg)
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
@@ -115,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpctrain.launch.slurm import submit
 
         return submit(cfg, run_dir, sys.executable, source_root())
-    print(f"hpctrain: error: launcher={cfg.launcher.name} is not available yet", file=sys.stderr)
-    return 2
+    raise AssertionError(f"launcher {cfg.launcher.name}: the schema admits no other")
 
 
 if __name__ == "__main__":

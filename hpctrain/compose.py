@@ -40,6 +40,10 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
         OmegaConf.resolve(cfg)
     except Exception as e:  # Hydra wraps OmegaConf errors in several layers; show the root cause.
+        bad = [msg for _, msg in bad_choices(overrides)]
+        if bad:  # Hydra stops at the first; name every value outside its choice's list at once
+            raise ConfigError("\n".join(bad) if len(bad) == 1 else
+                              f"{len(bad)} values are not allowed:\n" + "\n".join(f"  - {b}" for b in bad)) from None
         raise ConfigError(explain(e, overrides)) from None
     unknown = _extra_keys(cfg, _schema_keys(()))
     if unknown:
@@ -84,6 +88,8 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
     if "not in" in msg and ("Key '" in msg) or name == "ConfigKeyError":
         key = full_key or _quoted(msg)
         return _unknown_key(key)
+    if name in ("ValidationError", "UnsupportedValueType") and full_key and _choice_of(full_key):
+        return _not_a_choice(full_key, typed if typed is not None else _quoted(msg))
     if name in ("ValidationError", "UnsupportedValueType") and full_key:
         expected = _expected_type(full_key)
         value = typed if typed is not None else _quoted(msg)
@@ -99,6 +105,35 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
     if "MissingMandatoryValue" in name or "Missing mandatory value" in msg:
         return f"{full_key} must be set. Fix: add {full_key}=<value> to the command line"
     return f"{name}: {msg}"
+
+
+def _choice_of(key: str):
+    """The Choice enum a schema key takes its values from, or None."""
+    from hpctrain.config import Choice
+
+    node = _schema_keys(key.split(".")[:-1])
+    if not isinstance(node, DictConfig) or key.split(".")[-1] not in node:
+        return None
+    t = node._get_node(key.split(".")[-1])._metadata.ref_type
+    return t if isinstance(t, type) and issubclass(t, Choice) else None
+
+
+def _not_a_choice(key: str, value) -> str:
+    allowed = _choice_of(key).values()
+    near = [a for a in allowed if a.lower() == str(value).lower()] or difflib.get_close_matches(str(value), allowed, n=1)
+    return f"{key}={value} is not one of {', '.join(allowed)}. Fix: {key}={(near or allowed)[0]}"
+
+
+def bad_choices(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(override, message) for every `key=value` override whose key is a choice and whose value is
+    not one of its values."""
+    out = []
+    for ov in overrides:
+        key, eq, value = ov.lstrip("+~").partition("=")
+        choice = _choice_of(key) if eq else None
+        if choice is not None and value not in choice.values():
+            out.append((ov, _not_a_choice(key, value)))
+    return out
 
 
 def _extra_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:

@@ -3,12 +3,45 @@
 Every field here is a knob a user can set on the command line (`train.steps=10`). The dataclasses are
 registered in Hydra's ConfigStore as the schema of each group, so an unknown key or a wrong type is
 refused while composing, before any process starts. Checks that span several fields live in
-`hpctrain.check`.
+`hpctrain.plan.check`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from enum import Enum
+from typing import Optional
+
+
+class Choice(str, Enum):
+    """A knob with a fixed set of values. OmegaConf refuses any other value while composing, with the
+    allowed list; members compare equal to their strings and print as them (`f"{x}"` is "bf16")."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+def _choice(name: str, values: str) -> type:
+    # Members named after their values: a value such as "1f1b" is not an identifier.
+    return Choice(name, [(v, v) for v in values.split()])
+
+
+AC = _choice("AC", "none full selective")
+PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zero_bubble zbv dualpipev")
+OptimImpl = _choice("OptimImpl", "auto fused foreach for_loop")
+OptimName = _choice("OptimName", "adamw")
+DataSource = _choice("DataSource", "synthetic shards")
+Precision = _choice("Precision", "fp32 bf16")
+OffloadTarget = _choice("OffloadTarget", "none cpu nvme")
+OffloadKernel = _choice("OffloadKernel", "auto cpp compile fused")
+LauncherName = _choice("LauncherName", "local slurm sbatch")
+Backend = _choice("Backend", "auto gloo nccl")
+Device = _choice("Device", "cpu cuda")
 
 
 @dataclass
@@ -38,16 +71,16 @@ class ParallelConfig:
     # 0 = DDP (replicated), 3 = FSDP2 (parameters, gradients and optimizer state sharded).
     zero: int = 3
     # Activation checkpointing: none | full | selective (every `ac_every`-th block).
-    ac: str = "none"
+    ac: AC = AC("none")
     ac_every: int = 2
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0  # 0 = one per pipeline stage
+    # Micro-batches per step come from train.global_batch / data-parallel ranks / train.micro_batch.
+    pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
     pp_virtual_stages: int = 1
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimName = OptimName("adamw")
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -57,12 +90,12 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     # auto: fused on CPU and CUDA when every parameter is a plain tensor or DTensor of one kind.
-    impl: str = "auto"
+    impl: OptimImpl = OptimImpl("auto")
 
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | shards
+    source: DataSource = DataSource("synthetic")
     path: Optional[str] = None  # directory made by `python -m hpctrain.data.prepare`
     seq_len: int = 64
     seed: int = 1234
@@ -75,7 +108,7 @@ class TrainConfig:
     micro_batch: int = 4  # sequences per forward/backward on one rank
     seed: int = 0
     # fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32.
-    precision: str = "fp32"
+    precision: Precision = Precision("fp32")
     log_every: int = 1
     tensorboard: bool = False
     compile: bool = False
@@ -104,11 +137,11 @@ CheckpointConfig = _checkpoint_config()
 
 @dataclass
 class OffloadConfig:
-    target: str = "none"  # none | cpu | nvme
+    target: OffloadTarget = OffloadTarget("none")
     # nvme: an existing, writable directory on a fast local disk; each rank keeps its optimizer state
     # there in files that are reserved at start and vanish when the run ends (hpctrain.offload.nvme).
     path: Optional[str] = None
-    kernel: str = "auto"  # host AdamW step: auto (cpp, else compile, else fused) | cpp | compile | fused
+    kernel: OffloadKernel = OffloadKernel("auto")  # host AdamW step: auto = cpp, else compile, else fused
     pin_memory: bool = True  # page-locked host buffers, where an accelerator exists
     # nvme streaming: each state tensor goes through host memory in chunks of chunk_mb MiB, using
     # buffer_count buffer sets (>= 2: reads run ahead and writes behind the update), with queue_depth
@@ -125,22 +158,22 @@ class OffloadConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"  # local | slurm | sbatch | print
+    name: LauncherName = LauncherName("local")
     nproc: int = 2  # ranks the local launcher starts
-    backend: str = "auto"  # auto | gloo | nccl
+    backend: Backend = Backend("auto")
     timeout_s: int = 300  # collective timeout
 
 
 @dataclass
 class ClusterConfig:
     name: str = "cpu"
-    device: str = "cpu"  # cpu | cuda
+    device: Device = Device("cpu")
     # Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU.
     peak_tflops: float = 0.1
     device_mem_gb: float = 16.0
     host_mem_gb: float = 16.0
-    # What the planner (hpctrain.plan) prices a step with. Defaults describe this CPU VM (DESIGN.md
-    # section 4); conf/cluster/{a100,h100,h200}.yaml give datacenter figures. GB = 1e9 bytes except
+    # What the planner (hpctrain.plan) prices a step with. Defaults describe a 2-core cloud VM
+    # (docs/measurements.md); conf/cluster/{a100,h100,h200}.yaml give datacenter figures. GB = 1e9 bytes except
     # the *_mem_gb capacities, which are GiB as nvidia-smi and free report them.
     hbm_gbps: float = 30.0  # device memory bandwidth (elementwise kernels, optimizer step)
     matmul_efficiency: float = 0.5  # fraction of peak_tflops a large GEMM sustains
@@ -200,11 +233,3 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="hpctrain_schema", node=Config)
-
-
-def world_size(cfg: Any) -> int:
-    """Ranks the run needs: what the launcher or cluster section provides."""
-    if cfg.launcher.name == "local":
-        return cfg.launcher.nproc
-    per_node = cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node
-    return cfg.cluster.nodes * per_node

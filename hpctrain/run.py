@@ -15,22 +15,11 @@ from pathlib import Path
 from hpctrain.compose import load
 from hpctrain.dist import nccl
 from hpctrain.dist.bootstrap import BootstrapError, detect, init
-from hpctrain.launch.requeue import requeue
-from hpctrain.layout import layout_of
-from hpctrain.preempt import Preemption
+from hpctrain.train.requeue import requeue
+from hpctrain.spec import backend_for, engine_spec
+from hpctrain.train.preempt import Preemption
 
 log = logging.getLogger("hpctrain")
-
-
-def backend_for(cfg) -> str:
-    if cfg.launcher.backend != "auto":
-        return cfg.launcher.backend
-    if cfg.cluster.device == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            return "nccl"
-    return "gloo"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,24 +36,25 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     if de.note:
         log.warning(de.note)
-    layout = layout_of(cfg, de.world)
-    if layout.world != de.world:
-        log.error("the config's layout (%s) does not match the %d ranks %s started", layout.describe(),
+    spec = engine_spec(cfg, de.world)
+    if spec.layout.world != de.world:
+        log.error("the config's layout (%s) does not match the %d ranks %s started", spec.layout.describe(),
                   de.world, de.launcher)
         return 2
 
+    import torch
     import torch.distributed as dist
 
     from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
-    from hpctrain.train import Trainer
+    from hpctrain.train.loop import Trainer
 
     try:
-        backend = backend_for(cfg)
+        backend = backend_for(cfg.launcher.backend, spec.device, torch.cuda.is_available())
         nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank)
         device = init(de, backend, cfg.launcher.timeout_s, cfg.train.threads)
         log.info("rank %d of %d on %s (launcher %s, backend %s, device %s)", de.rank, de.world,
-                 socket.gethostname(), de.launcher, backend_for(cfg), device)
-        outcome = Trainer(cfg, str(run_dir), device).fit(preemption)
+                 socket.gethostname(), de.launcher, backend, device)
+        outcome = Trainer(cfg, str(run_dir), device, spec).fit(preemption)
         if de.rank == 0:
             log.info("%s at step %d", outcome.status, outcome.step)
             if outcome.status == "preempted" and de.launcher == "slurm":

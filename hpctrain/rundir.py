@@ -5,11 +5,16 @@
 <run.dir>/logs/         per-rank logs
 <run.dir>/checkpoints/  step-NNNNNNNN/ sharded checkpoints
 <run.dir>/outcome.json  how the last start of the run ended: completed | preempted (resume by rerunning)
+
+A checkpoint is complete or absent: `checkpoints/step-NNNNNNNN/` with DCP's `.metadata` and our
+`hpctrain.json` (hpctrain.checkpoint.store writes it that way). Discovery is here, without torch,
+because the login node asks too: it refuses to start over a run's checkpoints unless told to resume.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -47,3 +52,54 @@ def clear_outcome(run_dir: str | os.PathLike) -> None:
         os.unlink(Path(run_dir) / OUTCOME)
     except FileNotFoundError:
         pass
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+INFO = "hpctrain.json"
+DCP_METADATA = ".metadata"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (STEP_RE.match(path.name) is not None and (path / DCP_METADATA).is_file()
+            and (path / INFO).is_file())
+
+
+def list_complete(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def list_incomplete(root: str | os.PathLike) -> list[Path]:
+    """`step-*` directories that lack their metadata: damaged after the commit, never loaded."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and p.is_dir() and not is_complete(p))
+
+
+def read_info(path: Path) -> dict:
+    return json.loads((path / INFO).read_text())
+
+
+def overwrite_problem(run_dir: str | os.PathLike, resume: bool) -> str | None:
+    """Why a run may not start in `run_dir`: it holds checkpoints and checkpoint.resume=false."""
+    existing = list_complete(Path(run_dir) / "checkpoints")
+    if existing and not resume:
+        return (f"{run_dir} already holds checkpoints (newest step {existing[-1][0]}) and "
+                "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
+                "or drop checkpoint.resume=false to continue that run")
+    return None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hpctrain.compose import compose
 from hpctrain.dist.bootstrap import detect, init
-from hpctrain.train import Trainer
+from hpctrain.train.loop import Trainer
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0"]

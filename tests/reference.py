@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hpctrain.data import build_dataset
 from hpctrain.data.sampler import StepSampler
 from hpctrain.models.llama import Llama, LlamaArgs, init_param_
-from hpctrain.optim import build_optimizer
+from hpctrain.train.optim import build_optimizer
 
 
 def reference_losses(cfg, steps: int | None = None) -> tuple[list[float], list[float]]:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from hpctrain.checkpoint import store
 from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
 from hpctrain.compose import compose
-from hpctrain.preempt import Preemption
-from hpctrain.train import Trainer
+from hpctrain.train.preempt import Preemption
+from hpctrain.train.loop import Trainer
 
 BASE = ("+experiment=tiny", "launcher.nproc=1", "train.global_batch=4", "train.micro_batch=2",
         "data.seq_len=16", "optim.warmup_steps=1")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpctrain.compose import compose
-from hpctrain.metrics import read_metrics
+from hpctrain.train.metrics import read_metrics
 
 from helpers import REPO, run_cli
 

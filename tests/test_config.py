@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.check import check
+from hpctrain.plan.check import check, compose_checked
 from hpctrain.compose import ConfigError, compose
 from hpctrain.data.prepare import prepare
 
@@ -20,9 +20,9 @@ TINY = "+experiment=tiny"
 
 
 def refusal(*overrides: str) -> str:
-    """The message a config is refused with (while composing or checking)."""
+    """The message a config is refused with (while composing or checking), as the CLI does it."""
     with pytest.raises(ConfigError) as info:
-        check(compose([TINY, *overrides]))
+        check(*compose_checked([TINY, *overrides]))
     return str(info.value)
 
 

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent("""
     import sys
     import hpctrain.__main__ as cli
-    from hpctrain.check import check, launch_problems
+    from hpctrain.plan.check import check
     from hpctrain.compose import compose
 
     assert "torch" not in sys.modules, "importing hpctrain.__main__ imported torch"
@@ -21,7 +21,6 @@ SCRIPT = textwrap.dedent("""
                        "train.global_batch=128", "train.micro_batch=1", "dry_run=true"]):
         cfg = compose(overrides)
         check(cfg)
-        launch_problems(cfg)
         cli.summary(cfg)
     assert "torch" not in sys.modules, "composing/checking/planning imported torch"
     rc = cli.main(["+experiment=70b", "dry_run=true", "run.dir=" + sys.argv[1]])

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from hpctrain.config import ModelConfig
 from hpctrain.models.llama import (Attention, Llama, LlamaArgs, apply_rope, build_meta, count_params,
                                    init_param_)
-from hpctrain.plan.flops import param_counts
+from hpctrain.flops import param_counts
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 MODEL_YAMLS = sorted(p.stem for p in CONF.glob("*.yaml"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hpctrain.compose import compose
-from hpctrain.metrics import read_metrics
+from hpctrain.train.metrics import read_metrics
 from hpctrain.rundir import prepare_run_dir
 
 from helpers import REPO, run_cli

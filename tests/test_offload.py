@@ -22,7 +22,7 @@ from hpctrain.compose import compose
 from hpctrain.offload import HostAdamW, OffloadError
 from hpctrain.offload import nvme as nvme_mod
 from hpctrain.offload.adam_kernel import AdamKernel
-from hpctrain.directio import aligned_empty, open_direct
+from hpctrain.checkpoint.directio import aligned_empty, open_direct
 from hpctrain.offload.aio import AsyncIO
 
 PARAM_TOL = 2e-6  # |param - torch AdamW| after a few steps, fp32
@@ -212,10 +212,10 @@ def tiny_disk(tmp_path):
 
 
 def _problems(*overrides):
-    from hpctrain.check import launch_problems, problems
+    from hpctrain.plan.check import compose_checked, problems
 
-    cfg = compose(["+experiment=tiny", *overrides])
-    return problems(cfg) + launch_problems(cfg)
+    cfg, refused = compose_checked(["+experiment=tiny", *overrides])
+    return refused + problems(cfg)
 
 
 def test_check_accepts_offload_and_refuses_bad_paths(tmp_path, tiny_disk):
@@ -268,7 +268,7 @@ def world_of_one():
 
 
 def _trainer(run_dir: Path, *overrides: str):
-    from hpctrain.train import Trainer
+    from hpctrain.train.loop import Trainer
 
     cfg = compose([*BASE, f"run.dir={run_dir}", *overrides])
     run_dir.mkdir(parents=True, exist_ok=True)

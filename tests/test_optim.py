@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hpctrain.config import OptimConfig
-from hpctrain.optim import build_optimizer, lr_factor
+from hpctrain.train.optim import build_optimizer, lr_factor
 
 WARMUP, TOTAL, MIN = 10, 100, 0.1
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from hpctrain.check import problems
+from hpctrain.plan.check import problems
 from hpctrain.compose import ConfigError, compose
 from hpctrain.launch.sbatch import directives, sbatch_script
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.metrics import read_metrics
+from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
 from test_slurm_submit import slurm, wait_for  # noqa: F401  (fixture)

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import open_dict
 
 from helpers import skip_or_fail, run_cli
-from hpctrain.check import problems
+from hpctrain.plan.check import problems
 from hpctrain.compose import compose
 from hpctrain.launch.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
                                           time_problems)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.compose import compose
-from hpctrain.metrics import read_metrics
+from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
 from reference import reference_losses

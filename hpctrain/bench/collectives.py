@@ -355,7 +355,7 @@ class Bench:
     def _fault(self, result) -> None:
         """HPCTRAIN_FAULT="bench_corrupt:rank=R": rank R damages one element of each checked result,
         to prove that the check catches it (tests/test_bench_collectives.py)."""
-        from hpctrain import faults
+        from hpctrain.train import faults
 
         if faults.armed("bench_corrupt", rank=self.rank) and result.numel():
             result[result.numel() // 2] += 1
@@ -526,10 +526,9 @@ def _run(a, ops, min_b, max_b, out_dir: Path, de) -> int:
     import torch.distributed as dist
 
     from hpctrain.dist import bootstrap
+    from hpctrain.spec import backend_for
 
-    backend = a.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_for(a.backend, "cuda", torch.cuda.is_available())
     if max_b is None:
         max_b = (1 << 30) if backend == "nccl" else (64 << 20)
     size_list = sizes(min_b, max(max_b, min_b), a.factor)

@@ -44,6 +44,8 @@ from typing import Any, Mapping, Sequence
 
 from hpctrain.bench import collectives as C
 from hpctrain.compose import ConfigError, conf_dir
+from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
+from hpctrain.spec import ranks_per_node
 
 
 class SweepConfigError(ConfigError):
@@ -291,14 +293,22 @@ def load(spec: str | Path | Mapping, overrides: Sequence[str] = ()) -> dict:
     return raw
 
 
-def _cluster(name: str) -> dict:
-    from omegaconf import OmegaConf
+def _cluster(name: str | None, overrides: dict):
+    """The cluster group as the training launchers see it (composed and typed against the schema),
+    with the sweep's own values for the keys it sets."""
+    from hpctrain.compose import compose
 
-    path = conf_dir() / "cluster" / f"{name}.yaml"
-    if not path.is_file():
+    if name and not (conf_dir() / "cluster" / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in (conf_dir() / "cluster").glob("*.yaml"))
         raise SweepConfigError(f"cluster: {name!r} is not in conf/cluster/ (known: {', '.join(known)})")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    try:
+        cfg = compose([f"cluster={name}"] if name else [], resolve_paths=False)
+    except ConfigError as e:
+        raise SweepConfigError(f"cluster: {e}") from None
+    for key, value in overrides.items():
+        if value is not None:
+            cfg.cluster[key] = value
+    return cfg.cluster
 
 
 def _grid_name(combo: Sequence[tuple[str, Any]]) -> str:
@@ -320,15 +330,15 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
     src = raw.get("_source", "")
     name = cfg["name"] or (Path(src).stem if src and src != "<mapping>" else "sweep")
 
-    cl = _cluster(cfg["cluster"]) if cfg["cluster"] else {}
-    gpus = cfg["gpus_per_node"] if cfg["gpus_per_node"] is not None else int(cl.get("gpus_per_node", 0) or 0)
-    tpn = cfg["tasks_per_node"]
-    if tpn is None:
-        tpn = gpus if gpus > 0 else int(cl.get("tasks_per_node", 1) or 1)
-    cpt = cfg["cpus_per_task"] if cfg["cpus_per_task"] is not None else cl.get("cpus_per_task")
-    for key, v in (("tasks_per_node", tpn), ("gpus_per_node", gpus)):
-        if not isinstance(v, int) or v < (1 if key == "tasks_per_node" else 0):
+    for key in ("tasks_per_node", "gpus_per_node"):
+        v = cfg[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "tasks_per_node" else 0)):
             raise SweepConfigError(f"{key}: {v!r} must be an integer >= {1 if key == 'tasks_per_node' else 0}")
+    cl = _cluster(cfg["cluster"], {k: cfg[k] for k in ("gpus_per_node", "cpus_per_task", "partition", "account",
+                                                      "qos", "constraint")})
+    # One task per GPU where the nodes have GPUs (hpctrain.spec.ranks_per_node), unless the sweep says.
+    tpn = cfg["tasks_per_node"] or ranks_per_node(cl)
+    gpus, cpt = cl.gpus_per_node, cl.cpus_per_task
 
     nodes = cfg["nodes"]
     nodes = [nodes] if isinstance(nodes, int) else list(nodes)
@@ -356,7 +366,7 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
     for key, lo_ in (("warmup", 0), ("iters", 1), ("repeats", 1), ("timeout", 1)):
         _check_int(f"bench.{key}", bench[key], lo_)
 
-    base_env = {**check_env(cl.get("env") or {}, "cluster.env"), **check_env(cfg["env"] or {}, "env")}
+    base_env = {**check_env(dict(cl.env or {}), "cluster.env"), **check_env(cfg["env"] or {}, "env")}
 
     settings: dict[str, dict] = {}
     for sname, env in (cfg["settings"] or {}).items():
@@ -405,12 +415,11 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
             d = out / (sname if len(nodes) == 1 else f"{sname}_{k}n")
             elements.append(Element(sname, k, tpn, env, base_env, str(d), bench_args, srun_args, cpt))
     time_min = _check_int("time_min", cfg["time_min"], 1)
-    slurm = {"partition": cfg["partition"] or cl.get("partition"), "account": cfg["account"] or cl.get("account"),
-             "qos": cfg["qos"] or cl.get("qos"), "constraint": cfg["constraint"] or cl.get("constraint"),
-             "time_min": time_min, "exclusive": bool(cfg["exclusive"]),
+    slurm = {"time_min": time_min, "exclusive": bool(cfg["exclusive"]),
              "array_parallelism": _check_int("array_parallelism", cfg["array_parallelism"], 1),
-             "setup": list(cl.get("setup") or []) + list(cfg["setup"] or []),
-             "mem": cl.get("mem"), "exclude": cl.get("exclude"), "sbatch_extra": dict(cl.get("sbatch_extra") or {})}
+             "setup": list(cl.setup or []) + list(cfg["setup"] or []),
+             "options": allocation(cl, f"sweep-{name}", nodes=max(nodes), tasks_per_node=tpn,
+                                   more={"time": f"{time_min}:00", **({"exclusive": True} if cfg["exclusive"] else {})})}
     return Sweep(name=str(name), out=out, baseline=baseline, settings=settings, nodes=nodes, tasks_per_node=tpn,
                  gpus_per_node=gpus, cpus_per_task=cpt, slurm=slurm,
                  bench={**bench, "ops": ops}, elements=elements, description=str(cfg["description"] or ""),
@@ -477,40 +486,21 @@ def run_element(el: Element) -> dict:
 # Submission.
 
 def executor_parameters(sw: Sweep) -> dict:
-    """submitit SlurmExecutor parameters for the array. submitit counts tasks from `nodes` x
-    `ntasks_per_node` and would wait for a result from each; the element is one process in the batch
-    script (use_srun=False) that starts its own srun, so the real shape goes in as sbatch options."""
-    s = sw.slurm
-    extra: dict[str, Any] = {"nodes": max(sw.nodes), "ntasks_per_node": sw.tasks_per_node}
-    params: dict[str, Any] = {"job_name": f"sweep-{sw.name}", "nodes": 1, "ntasks_per_node": 1,
-                              "time": s["time_min"], "use_srun": False,
-                              "array_parallelism": s["array_parallelism"], "additional_parameters": extra,
-                              "stderr_to_stdout": True}
-    if sw.cpus_per_task:
-        params["cpus_per_task"] = sw.cpus_per_task
-    if sw.gpus_per_node:
-        params["gpus_per_node"] = sw.gpus_per_node
-    for k in ("partition", "account", "qos", "constraint", "mem", "exclude"):
-        if s.get(k):
-            params[k] = s[k]
-    for k, v in (s.get("sbatch_extra") or {}).items():  # cluster.sbatch_extra, as launcher=sbatch reads it
-        if v is not None and v is not False:
-            extra[str(k).lstrip("-").replace("-", "_")] = v
-    if s["exclusive"]:
-        params["exclusive"] = True
-    if s["setup"]:
-        params["setup"] = list(s["setup"])
+    """submitit SlurmExecutor parameters for the array: the allocation of the training launchers
+    (hpctrain.launch.allocation) for the largest node count; each element is one process in the
+    batch script that starts its own srun (use_srun=False)."""
+    params = submitit_parameters(sw.slurm["options"], own_srun=True)
+    params.update(array_parallelism=sw.slurm["array_parallelism"], stderr_to_stdout=True)
+    if sw.slurm["setup"]:
+        params["setup"] = list(sw.slurm["setup"])
     return params
 
 
 def sbatch_text(sw: Sweep) -> str:
-    """The array's batch script as submitit will write it (for --dry-run)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    params = executor_parameters(sw)
-    return _make_sbatch_string(command=f"{shlex.quote(sys.executable)} -u -m submitit.core._submit "
-                                       f"{shlex.quote(str(sw.out / 'slurm' / '%j'))}",
-                               folder=sw.out / "slurm" / "%j", map_count=len(sw.elements), **params)
+    """What the array's batch script asks Slurm for (for --dry-run); submitit writes the script itself."""
+    options = {**sw.slurm["options"], "array": f"0-{len(sw.elements) - 1}%{sw.slurm['array_parallelism']}"}
+    return "\n".join(["#!/bin/bash", *sbatch_lines(options), *sw.slurm["setup"],
+                      f"# each element: {shlex.join(srun_command(sw.elements[0]))} (one per setting)"]) + "\n"
 
 
 def manifest(sw: Sweep) -> dict:

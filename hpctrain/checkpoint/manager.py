@@ -1,13 +1,26 @@
 """Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
 
-Tensors (model and optimizer state, sharded as they live on the ranks) go through DCP, which
-reshards on load. Everything else is JSON, never a pickle: `hpctrain.json` (step, tokens, data
-position, LR schedule, config) from rank 0 and `rng/rank-NNNNN.json` from every rank.
+The manager is given the training state as named Stateful objects (state_dict() / load_state_dict())
+and owns the policy: every `checkpoint.every` steps (async where asked), at the end of the run, and
+when the ranks agree to stop. Where each object's state goes:
+
+- `sharded = True` (model, optimizer): tensors, as they live on the ranks, through DCP, which
+  reshards on load; keys `<name>.<key>` (e.g. `model.layers.0.attention.wq.weight`). Such objects
+  also give `key()`, the identity of their tensors, so an unchanged state dict is reused;
+- `per_rank = True` (random generators): JSON in `<name>/rank-NNNNN.json` from every rank, restored
+  only when the world size is unchanged;
+- anything else (step counters, data position, LR schedule): JSON from rank 0 in `hpctrain.json`
+  under the object's name, never a pickle.
+
+There is one save path: a blocking save is an async save (staged in place, without a copy) that is
+waited for at once; an async one stages into reused host buffers and is waited for by the next save
+or the end of the run.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import secrets
 import threading
@@ -21,12 +34,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from hpctrain.checkpoint import rng, store
+from hpctrain.checkpoint import store
 from hpctrain.checkpoint.raw import RawWriter
-from hpctrain.faults import wrap_writer
-from hpctrain.parallel.state import checkpoint_state, load_checkpoint_state, state_key
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
+from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
+from hpctrain.rundir import overwrite_problem
+from hpctrain.train.faults import wrap_writer
 
 log = logging.getLogger("hpctrain")
 
@@ -46,6 +60,7 @@ class Pending:
     step: int
     info: dict
     started: float
+    blocking: bool
 
 
 def expected_shapes(state: dict) -> dict[str, tuple]:
@@ -62,64 +77,106 @@ def expected_shapes(state: dict) -> dict[str, tuple]:
     return out
 
 
+def _holds_tensors(node) -> bool:
+    if isinstance(node, dict):
+        return any(_holds_tensors(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_tensors(v) for v in node)
+    return isinstance(node, torch.Tensor)
+
+
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, cfg, config_dict: dict):
-        self.root = Path(run_dir) / "checkpoints"
-        self.cfg = cfg.checkpoint
-        self.config_dict = config_dict
+    def __init__(self, run_dir: str | Path, cfg, state: dict, total_steps: int, meta: Optional[dict] = None):
+        """`state`: name -> Stateful. `cfg`: the checkpoint section. `meta`: JSON written beside
+        the state (the config, the layout) for people and tools; never read back into training."""
+        self.run_dir, self.root = Path(run_dir), Path(run_dir) / "checkpoints"
+        self.cfg, self.objects, self.total_steps = cfg, dict(state), total_steps
+        self.meta = dict(meta or {})
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.pending: Optional[Pending] = None
-        self._pg = None  # async saves run their collectives on a group of their own
+        self._pg = None  # saves run their collectives on a group of their own (see save)
+        self._stager: Optional[ReusingStager] = None
         self.last_saved: Optional[int] = None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         self.saves: list[dict] = []  # timings, for benchmarks and logs
         self._purge: Optional[threading.Thread] = None
-        self._saved_state: Optional[tuple] = None  # (state_key, checkpoint_state) of the last save
+        self._saved_state: Optional[tuple] = None  # (key, DCP state dict) of the last save
+
+    # ---------------------------------------------------------------- policy
+
+    def after_step(self, step: int) -> None:
+        """Every `checkpoint.every` steps, before the last (the end of a run is saved by finish)."""
+        every = self.cfg.every
+        if every and step % every == 0 and step < self.total_steps:
+            self.save(step, blocking=not self.cfg["async"])
+
+    def finish(self, step: int) -> None:
+        """The end of a completed run is always kept when saving is on."""
+        if self.cfg.every and self.last_saved != step:
+            self.save(step, blocking=True)
 
     # ---------------------------------------------------------------- saving
 
-    def save(self, step: int, parts, optimizer, extra: dict, blocking: bool = True) -> None:
-        """All ranks call this together. `parts`: this rank's model parts (pipeline stages).
-        `extra` is JSON: step, tokens, data position, schedule."""
+    def save(self, step: int, blocking: bool = True) -> None:
+        """All ranks call this together."""
         self.wait()
         t0 = time.perf_counter()
         tmp = store.tmp_dir(self.root, step, self._start(step))
         tmp.mkdir(parents=True, exist_ok=True)  # every rank: the nonce makes the name fresh
-        rng.save(tmp, self.rank)
-        state = self._state_to_save(parts, optimizer)
-        info = {"step": step, "world_size": self.world, "time": time.time(), **extra,
-                "config": self.config_dict, "torch": torch.__version__}
+        plain = self._write_plain(tmp)
+        info = {"step": step, "world_size": self.world, "time": time.time(), **plain, **self.meta,
+                "torch": torch.__version__}
         writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
+        if self._pg is None:
+            # DCP's collectives from its writer thread, interleaved with FSDP's on the default group,
+            # abort the process: they get a gloo group of their own (gloo also carries host tensors).
+            self._pg = dist.new_group(backend="gloo")
+            self._stager = ReusingStager(pin_memory=torch.cuda.is_available())
+        # A blocking save waits for the write right away, so it can write the live tensors; an async
+        # one copies them first into host buffers that the next step may not touch.
+        stager = InPlaceStager() if blocking else self._stager
         # The plan is the same at every save of a run: cached, ranks skip sending it to the coordinator.
         planner = DefaultSavePlanner(enable_plan_caching=True)
-        if blocking:
-            try:
-                with _gc_paused():
-                    dcp.save(state, storage_writer=writer, planner=planner)
-            except BaseException as e:  # CheckpointException is a BaseException
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                self._abandon(tmp, step, e)
-            self._commit(Pending(None, tmp, step, info, t0), t0)
-            return
-        if self._pg is None:
-            # DCP's async collectives interleaved with FSDP's on the default group abort the process.
-            self._pg = dist.new_group(backend="gloo")
-            self._stager = self._make_stager()
         with _gc_paused():
-            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self._pg,
-                                    async_stager=self._stager)
-        self.pending = Pending(future, tmp, step, info, t0)
-        self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
+            future = dcp.async_save(self._tensor_state(), storage_writer=writer, planner=planner,
+                                    process_group=self._pg, async_stager=stager)
+        self.pending = Pending(future, tmp, step, info, t0, blocking)
+        if blocking:
+            self.wait()
+        else:
+            self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
 
-    @staticmethod
-    def _make_stager():
-        """Stage into host buffers allocated once and reused by every later save: the loop then
-        waits only for a memory copy. Pinned buffers need an accelerator."""
-        from hpctrain.checkpoint.stager import ReusingStager
+    def _write_plain(self, tmp: Path) -> dict:
+        """Per-rank JSON into the checkpoint now; what rank 0 writes into hpctrain.json at commit."""
+        shared = {}
+        for name, obj in self.objects.items():
+            if getattr(obj, "sharded", False):
+                continue
+            state = obj.state_dict()
+            if _holds_tensors(state):
+                raise TypeError(f"checkpoint state {name!r} holds tensors: mark it sharded (see this module)")
+            if getattr(obj, "per_rank", False):
+                path = tmp / name / f"rank-{self.rank:05d}.json"
+                path.parent.mkdir(exist_ok=True)
+                store.write_json_durable(path, state)
+            else:
+                shared[name] = state
+        return shared
 
-        return ReusingStager(pin_memory=torch.cuda.is_available())
+    def _tensor_objects(self) -> dict:
+        return {n: o for n, o in self.objects.items() if getattr(o, "sharded", False)}
+
+    def _tensor_state(self) -> dict:
+        """The DCP state dict, built again only when a tensor in it was replaced (building it asks DCP
+        for every parameter's name and placement: tens of ms the loop would wait for at every save)."""
+        objs = self._tensor_objects()
+        key = tuple(o.key() for o in objs.values())
+        if self._saved_state is None or self._saved_state[0] != key:
+            state = {n: o.state_dict() for n, o in objs.items()}
+            key = tuple(o.key() for o in objs.values())  # building may create state (the optimizer's)
+            self._saved_state = (key, state)  # holding the state keeps the ids unique
+        return self._saved_state[1]
 
     def wait(self) -> None:
         """Finish the save in flight, if any (a new save and the end of a run both wait)."""
@@ -129,20 +186,11 @@ class CheckpointManager:
         try:
             with _gc_paused():
                 p.future.result()
-        except BaseException as e:
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
             self._abandon(p.tmp, p.step, e)
-        self._commit(p, None)
-
-    def _state_to_save(self, parts, optimizer) -> dict:
-        """checkpoint_state, built again only when a tensor in it was replaced (building it asks DCP
-        for every parameter's name and placement: tens of ms the loop would wait for at every save)."""
-        key = state_key(parts, optimizer)
-        if self._saved_state is None or self._saved_state[0] != key:
-            state = checkpoint_state(parts, optimizer)
-            self._saved_state = (state_key(parts, optimizer), state)  # holding it keeps the ids unique
-        return self._saved_state[1]
+        self._commit(p)
 
     def close(self) -> None:
         """The end of a run: the last save is on disk and old checkpoints are deleted."""
@@ -193,7 +241,7 @@ class CheckpointManager:
                "If another rank died, its log says why; restarting the run resumes from the intact checkpoint")
         raise SaveFailed(f"saving the checkpoint of step {step} failed: {cause}; {kept}. {fix}") from None
 
-    def _commit(self, p: Pending, t0: Optional[float]) -> None:
+    def _commit(self, p: Pending) -> None:
         # DCP returns on every rank only after the coordinator wrote .metadata: everything is on disk.
         if self.rank == 0:
             final = store.commit(p.tmp, self.root, p.step, p.info)
@@ -202,9 +250,9 @@ class CheckpointManager:
             self._join_purge()
             self._purge = threading.Thread(target=store.purge, args=(doomed,), name="checkpoint-purge", daemon=True)
             self._purge.start()
-        if p.future is None:
-            dist.barrier()  # nobody reads the checkpoint before it is visible
-            self.saves.append({"step": p.step, "blocked_s": time.perf_counter() - t0, "async": False})
+        if p.blocking:
+            dist.barrier(group=self._pg)  # nobody reads the checkpoint before it is visible
+            self.saves.append({"step": p.step, "blocked_s": time.perf_counter() - p.started, "async": False})
         self.last_saved = p.step
         log.info("checkpoint step %d saved (%.2f s)", p.step, time.perf_counter() - p.started)
 
@@ -222,9 +270,14 @@ class CheckpointManager:
             return chosen
         return complete[::-1]
 
-    def load_latest(self, parts, optimizer, on_warning: Callable[[str], None]) -> Optional[dict]:
-        """Load the newest usable checkpoint into model and optimizer; returns its info, or None
-        when the run directory holds none. Damaged ones are skipped with a warning naming the fault."""
+    def resume(self, on_warning: Callable[[str], None]) -> Optional[int]:
+        """Load the newest usable checkpoint into every state object; returns its step, or None when
+        the run directory holds none. Damaged ones are skipped with a warning naming the fault."""
+        problem = overwrite_problem(self.run_dir, self.cfg.resume)
+        if problem:
+            raise NoUsableCheckpoint(problem)
+        if not self.cfg.resume:
+            return None
         for path in store.list_incomplete(self.root):
             on_warning(f"ignoring {path}: it is not a complete checkpoint (no {store.DCP_METADATA} or "
                        f"{store.INFO}; a save was interrupted, or files were removed)")
@@ -232,7 +285,7 @@ class CheckpointManager:
         if not cands:
             return None
         self._saved_state = None  # a load may replace tensors
-        state = checkpoint_state(parts, optimizer)
+        state = self._tensor_state()
         wanted = self._all_shapes(expected_shapes(state))
         problems = []
         for step, path in cands:
@@ -246,18 +299,32 @@ class CheckpointManager:
                         raise
                     verdict = f"loading failed: {_first_line(e)}"
             if verdict is None:
-                load_checkpoint_state(parts, optimizer, state)
-                info = store.read_info(path)
-                rng.load(path, self.rank, info.get("world_size") == self.world)
+                self._restore(path, state)
                 if problems:
                     on_warning(f"resumed from the older checkpoint {path.name} instead")
-                return info
+                self.last_saved = step
+                return step
             msg = f"checkpoint {path} is unusable: {verdict}"
             problems.append(msg)
             on_warning(msg + ("; trying an older one" if (step, path) != cands[-1] else ""))
         raise NoUsableCheckpoint("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(problems)
                                  + "\nFix: delete the damaged checkpoints to start afresh, or point "
                                    "checkpoint.load_step at a good one")
+
+    def _restore(self, path: Path, tensors: dict) -> None:
+        info = store.read_info(path)
+        same_world = info.get("world_size") == self.world
+        for name, obj in self.objects.items():
+            if getattr(obj, "sharded", False):
+                obj.load_state_dict(tensors[name])
+            elif not getattr(obj, "per_rank", False):
+                obj.load_state_dict(info[name])
+            elif same_world:  # after a change of world size ranks no longer correspond
+                mine = path / name / f"rank-{self.rank:05d}.json"
+                if mine.is_file():
+                    obj.load_state_dict(json.loads(mine.read_text()))
+                else:
+                    log.warning("%s is missing: %s not restored", mine, name)
 
     def _all_shapes(self, mine: dict) -> dict:
         """Every rank's expected tensors (pipeline stages and ZeRO-1 owners differ per rank)."""
@@ -276,7 +343,12 @@ class CheckpointManager:
                 md = read_metadata(path)
                 check_files(path, md)
                 check_shapes(md, wanted)
-                store.read_info(path)
+                info = store.read_info(path)
+                missing = [n for n, o in self.objects.items()
+                           if not getattr(o, "sharded", False) and not getattr(o, "per_rank", False) and n not in info]
+                if missing:
+                    raise DamagedCheckpoint(f"{store.INFO} holds no {', '.join(missing)} state "
+                                            "(written by an older hpctrain)")
             except DamagedCheckpoint as e:
                 verdict = [str(e)]
             except (OSError, ValueError) as e:

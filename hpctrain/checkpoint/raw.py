@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from hpctrain.directio import ALIGN, aligned_empty, open_direct, round_up
+from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct, round_up
 
 SUFFIX = ".raw"
 BUFFER = 16 << 20

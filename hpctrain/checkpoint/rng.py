@@ -2,20 +2,10 @@
 from __future__ import annotations
 
 import base64
-import json
-import logging
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
-
-log = logging.getLogger("hpctrain")
-
-
-def _path(ckpt: Path, rank: int) -> Path:
-    return ckpt / "rng" / f"rank-{rank:05d}.json"
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -47,20 +37,15 @@ def restore(state: dict) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["torch_cuda"]])
 
 
-def save(ckpt: Path, rank: int) -> None:
-    path = _path(ckpt, rank)
-    path.parent.mkdir(exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(capture(), f)
-        f.flush()
-        os.fsync(f.fileno())
+class RNG:
+    """This rank's generators as checkpoint state: JSON per rank. After a change of world size ranks
+    no longer correspond and the manager leaves them as seeded (hpctrain's data and initialization
+    do not draw from them)."""
 
+    per_rank = True
 
-def load(ckpt: Path, rank: int, same_world: bool) -> None:
-    """Restore this rank's generators. After a change of world size ranks no longer correspond:
-    the generators keep their fresh seeding (hpctrain's data and init do not draw from them)."""
-    path = _path(ckpt, rank)
-    if same_world and path.is_file():
-        restore(json.loads(path.read_text()))
-    elif same_world:
-        log.warning("%s is missing: random generators not restored", path)
+    def state_dict(self) -> dict:
+        return capture()
+
+    def load_state_dict(self, state: dict) -> None:
+        restore(state)

@@ -102,3 +102,19 @@ def _set(root, path: tuple, value) -> None:
     for k in path[:-1]:
         root = root[k]
     root[path[-1]] = value
+
+
+class InPlaceStager(AsyncStager):
+    """No staging: the save writes the live tensors. For a save that is waited for at once (nothing
+    changes them meanwhile), so blocking and async saves share one path without a copy."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

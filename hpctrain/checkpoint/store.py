@@ -3,55 +3,25 @@
 A checkpoint is complete or absent. Ranks write into `.tmp-step-NNNNNNNN-<nonce>/`; only after every
 rank finished and DCP wrote `.metadata`, rank 0 writes `hpctrain.json` and renames the directory to
 `step-NNNNNNNN/`. Discovery lists only such directories; a torn save stays a `.tmp-*` that the next
-save of the run sweeps away. No torch here: the login node uses it too.
+save of the run sweeps away. Naming and discovery (what is complete) live in hpctrain.rundir, which
+the login node uses too.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
 
-STEP_RE = re.compile(r"^step-(\d{8})$")
+from hpctrain.rundir import (DCP_METADATA, INFO, is_complete, list_complete, list_incomplete,  # noqa: F401
+                             read_info, step_name)
+
 TMP_PREFIX = ".tmp-step-"
-INFO = "hpctrain.json"
-DCP_METADATA = ".metadata"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def tmp_dir(root: Path, step: int, nonce: str) -> Path:
     return root / f"{TMP_PREFIX}{step:08d}-{nonce}"
-
-
-def is_complete(path: Path) -> bool:
-    return (STEP_RE.match(path.name) is not None and (path / DCP_METADATA).is_file()
-            and (path / INFO).is_file())
-
-
-def list_complete(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def list_incomplete(root: str | os.PathLike) -> list[Path]:
-    """`step-*` directories that lack their metadata: damaged after the commit, never loaded."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if STEP_RE.match(p.name) and p.is_dir() and not is_complete(p))
 
 
 def disk_usage(path: Path) -> int:
@@ -61,10 +31,6 @@ def disk_usage(path: Path) -> int:
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def read_info(path: Path) -> dict:
-    return json.loads((path / INFO).read_text())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -7,10 +7,9 @@ cluster.setup as written, exports cluster.env and starts one `python -m hpctrain
 per rank with srun. Preemption and requeue are handled inside the run (rank 0 requeues the job
 after the collective save), so the script has no logic of its own for them.
 
-Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does; it takes shell-like
-quotes and reads a backslash as an escape even inside single quotes, so values are written as
-shlex.quote() of the value with backslashes doubled (checked against sbatch 22.05). A newline
-cannot be written in a `#SBATCH` line at all and is refused. Everything in the body that comes from
+Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does (see
+hpctrain.launch.allocation.sbatch_line). A newline cannot be written in a `#SBATCH` line at all and
+is refused. Everything in the body that comes from
 the config is shlex.quote()d, except cluster.setup, which is the user's own shell.
 
 `python -m hpctrain ... launcher=sbatch` writes <run_dir>/job.sbatch and prints the `sbatch` command;
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpctrain.compose import ConfigError
+from hpctrain.launch.allocation import allocation, sbatch_lines
+from hpctrain.spec import ranks_per_node
 
 SCRIPT_NAME = "job.sbatch"
 _OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -31,41 +32,14 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNWRITABLE = ("\n", "\r", "\0")
 
 
-def tasks_per_node(cluster: Any) -> int:
-    """One task per GPU where the nodes have GPUs, else cluster.tasks_per_node."""
-    return cluster.gpus_per_node if cluster.gpus_per_node > 0 else cluster.tasks_per_node
-
-
-def extra_options(extra: Any) -> dict[str, Any]:
-    """cluster.sbatch_extra as sbatch long options: `mail_type` -> `mail-type`; True -> a bare flag,
-    False/None -> left out."""
-    out: dict[str, Any] = {}
-    for key, value in dict(extra or {}).items():
-        name = str(key).lstrip("-").replace("_", "-")
-        if value is None or value is False:
-            continue
-        out[name] = value
-    return out
-
-
 def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
     """The `#SBATCH` options as an ordered mapping (value True = bare flag)."""
-    c = cfg.cluster
-    d: dict[str, Any] = {"job-name": cfg.run.name, "nodes": c.nodes, "ntasks-per-node": tasks_per_node(c)}
-    if c.gpus_per_node > 0:
-        d["gpus-per-node"] = c.gpus_per_node
-    d["cpus-per-task"] = c.cpus_per_task
-    for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
-        if c[key] is not None:
-            d[key] = c[key]
-    d["signal"] = f"USR2@{c.signal_lead_s}"  # no B:, so that every task gets it, not only the batch shell
-    d["requeue"] = True
-    d["open-mode"] = "append"  # a requeued job appends to the same log
     log = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"  # %% = a literal % for Slurm
-    d["output"] = log
-    d["error"] = log
-    d.update(extra_options(c.sbatch_extra))
-    return d
+    return allocation(cfg.cluster, cfg.run.name, more={
+        "signal": f"USR2@{cfg.cluster.signal_lead_s}",  # no B:, so that every task gets it, not only the batch shell
+        "requeue": True,
+        "open-mode": "append",  # a requeued job appends to the same log
+        "output": log, "error": log})
 
 
 def problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
@@ -94,12 +68,6 @@ def problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
     return out
 
 
-def _flag(name: str, value: Any) -> str:
-    if value is True:
-        return f"#SBATCH --{name}"
-    return f"#SBATCH --{name}={shlex.quote(str(value).replace(chr(92), chr(92) * 2))}"
-
-
 def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
     """`export` lines for the job's environment: hpctrain's source (when run from a checkout), then
     cluster.env, every value quoted."""
@@ -122,7 +90,7 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
              f"# hpctrain run {cfg.run.name}: submit with `sbatch {shlex.quote(str(Path(run_dir) / SCRIPT_NAME))}`.",
              "# Written by `python -m hpctrain ... launcher=sbatch`; a requeued job reruns this script and",
              "# resumes from the newest complete checkpoint in the run directory."]
-    lines += [_flag(k, v) for k, v in directives(cfg, run_dir).items()]
+    lines += sbatch_lines(directives(cfg, run_dir))
     lines += ["", "set -euo pipefail"]
     if c.setup:
         # The user's own shell, as written. Without -u: module and conda scripts read unset variables.
@@ -133,7 +101,7 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
     srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}",
             python, "-m", "hpctrain.run", str(run_dir)]
     lines += ["",
-              f"# {c.nodes} node(s) x {tasks_per_node(c)} task(s): one rank per task. srun of Slurm 22.05+",
+              f"# {c.nodes} node(s) x {ranks_per_node(c)} task(s): one rank per task. srun of Slurm 22.05+",
               "# does not inherit --cpus-per-task from the allocation, hence given again.",
               " ".join(shlex.quote(a) for a in srun), ""]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """launcher=slurm: submit the run through submitit's SlurmExecutor and return; do not wait.
 
 `executor_parameters(cfg, ...)` is pure and maps conf/cluster/*.yaml onto SlurmExecutor's
-parameters: the same allocation launcher=sbatch writes (`hpctrain.launch.sbatch`), USR2 to every
+parameters: the same allocation launcher=sbatch writes (`hpctrain.launch.allocation`), USR2 to every
 task `signal_lead_s` before the limit, `--requeue`, `--open-mode=append`. Each task runs `run_task`,
 which is `hpctrain.run.main([run_dir])`: torch.distributed comes up from srun's variables in
 `hpctrain.dist.bootstrap` (not submitit's TorchDistributedEnvironment, which refuses variables that
@@ -20,51 +20,35 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hpctrain.launch.cluster_check import minutes
-from hpctrain.launch.sbatch import exports, extra_options, tasks_per_node
+from hpctrain.launch.allocation import allocation, submitit_parameters
+from hpctrain.launch.sbatch import exports
+from hpctrain.spec import ranks_per_node
 
 FOLDER = "submitit"
 
 
-def _sbatch_value(value: Any) -> str:
-    # submitit writes `#SBATCH --key=<shlex.quote(value)>`; sbatch's parser reads a backslash as an
-    # escape even inside quotes, so one must be doubled to arrive (see hpctrain.launch.sbatch).
-    return str(value).replace("\\", "\\\\")
-
-
 def executor_parameters(cfg: Any, pythonpath: Optional[str] = None) -> dict[str, Any]:
-    """SlurmExecutor.update_parameters(**this) for the run; pure."""
+    """SlurmExecutor.update_parameters(**this) for the run; pure. The allocation is launcher=sbatch's
+    (hpctrain.launch.allocation); submitit writes the USR2 signal itself from signal_delay_s."""
     c = cfg.cluster
-    p: dict[str, Any] = {
-        "job_name": _sbatch_value(cfg.run.name),
-        "nodes": c.nodes,
-        "ntasks_per_node": tasks_per_node(c),
-        "cpus_per_task": c.cpus_per_task,
-        "time": minutes(c.time),  # Slurm keeps minutes; 0 = no limit
-        "signal_delay_s": c.signal_lead_s,  # submitit writes --signal=USR2@<this>, no B:
-        "stderr_to_stdout": True,  # one log per task
-        # srun of Slurm 22.05+ does not inherit --cpus-per-task; one failed rank ends the step.
-        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}"],
-    }
-    if c.gpus_per_node > 0:
-        p["gpus_per_node"] = c.gpus_per_node
-    for key in ("partition", "mem", "account", "qos", "constraint", "exclude"):
-        if c[key] is not None:
-            p[key] = _sbatch_value(c[key])
+    options = allocation(c, cfg.run.name, more={"requeue": True, "open-mode": "append"})
+    p = submitit_parameters(options)
+    p.update(signal_delay_s=c.signal_lead_s,  # submitit writes --signal=USR2@<this>, no B:
+             stderr_to_stdout=True,  # one log per task
+             # srun of Slurm 22.05+ does not inherit --cpus-per-task; one failed rank ends the step.
+             srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}"])
     setup = [str(s) for s in (c.setup or [])] + exports(cfg, pythonpath)
     if setup:
         p["setup"] = setup
-    extra: dict[str, Any] = {"requeue": True, "open-mode": "append"}
-    extra.update({k: v if v is True else _sbatch_value(v) for k, v in extra_options(c.sbatch_extra).items()})
-    p["additional_parameters"] = extra
     return p
 
 
 def run_task(run_dir: str) -> int:
-    """What every task of the job runs (submitit pickles a reference to this function)."""
-    from hpctrain.run import main
+    """What every task of the job runs (submitit pickles a reference to this function). The rank
+    entry point is named, not imported here: the login node does not load the training runtime."""
+    import importlib
 
-    rc = main([run_dir])
+    rc = importlib.import_module("hpctrain.run").main([run_dir])
     if rc != 0:
         raise RuntimeError(f"hpctrain.run {run_dir} exited with code {rc} on task "
                            f"{os.environ.get('SLURM_PROCID', '?')}; see the log above")
@@ -103,7 +87,7 @@ def submit(cfg: Any, run_dir: str | os.PathLike, python: Optional[str] = None,
         return 1
     _drop_stale(folder, job.job_id, started)
     log = folder / f"{job.job_id}_0_log.out"
-    print(f"submitted job {job.job_id} ({cfg.cluster.nodes} node(s) x {tasks_per_node(cfg.cluster)} task(s))\n"
+    print(f"submitted job {job.job_id} ({cfg.cluster.nodes} node(s) x {ranks_per_node(cfg.cluster)} task(s))\n"
           f"run dir: {run_dir}\n"
           f"follow rank 0: tail -f {shlex.quote(str(log))}\n"
           f"other ranks:   {shlex.quote(str(folder))}/{job.job_id}_<rank>_log.out\n"

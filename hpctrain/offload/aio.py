@@ -7,7 +7,7 @@ computes. One logical request (a chunk of a state tensor) is split into blocks a
 next chunk into this buffer" onto "the write-back of this buffer finished").
 
 With O_DIRECT the page cache is bypassed (what an NVMe drive shared with the OS needs): offsets,
-lengths and buffer addresses must be multiples of ALIGN, which hpctrain.directio.aligned_empty and
+lengths and buffer addresses must be multiples of ALIGN, which hpctrain.checkpoint.directio.aligned_empty and
 the callers' layouts guarantee. File systems that refuse O_DIRECT (older tmpfs, some network file systems) get
 buffered I/O instead, with a note in the log.
 """
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hpctrain.directio import ALIGN
+from hpctrain.checkpoint.directio import ALIGN
 
 log = logging.getLogger("hpctrain")
 

@@ -29,15 +29,17 @@ which a load may have replaced.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
 
 from hpctrain.offload.adam_kernel import AdamKernel
-from hpctrain.directio import aligned_empty, round_up
+from hpctrain.checkpoint.directio import aligned_empty, round_up
+from hpctrain.config import OffloadConfig
+from hpctrain.offload.store import Chunk, HostStore, OffloadError, standalone
 
 log = logging.getLogger("hpctrain")
 
@@ -47,14 +49,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # so that the I/O threads can issue their next requests between them.
 MAX_CALL = 1 << 21
 
-DEFAULTS = dict(target="cpu", path=None, kernel="auto", pin_memory=True, chunk_mb=64, buffer_count=4,
-                queue_depth=8, block_mb=8, direct_io=True, master_on_nvme=False,
-                chunk_bytes=None, block_bytes=None,  # finer than MiB (tests, benchmarks)
-                emulate_device=False)  # tests: run a CPU model through the accelerator code path
-
-
-class OffloadError(RuntimeError):
-    """Offloaded optimizer state cannot be placed or written; the message says why and what to do."""
+# The schema's knobs and defaults (OffloadConfig), with target=cpu, and three that only tests and
+# benchmarks set: sizes finer than MiB, and a CPU model run through the accelerator code path.
+DEFAULTS = {**{f.name: f.default for f in fields(OffloadConfig)}, "target": "cpu",
+            "chunk_bytes": None, "block_bytes": None, "emulate_device": False}
 
 
 def settings(cfg: Any = None, **overrides) -> SimpleNamespace:
@@ -73,17 +71,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def standalone(view: torch.Tensor) -> torch.Tensor:
-    """The same memory as the contiguous host tensor `view`, as a tensor whose storage starts at its
-    first element. DCP's async stager copies a DTensor's storage only when the DTensor reports a
-    non-zero data pointer, which a DTensor over a local tensor with a storage offset does (offset x
-    element size, from a storage it then finds invalid): views of flat buffers must not carry offsets."""
-    if view.numel() == 0:
-        return torch.empty(view.shape, dtype=view.dtype)
-    flat = view.reshape(-1)
-    return torch.frombuffer(memoryview(flat.view(torch.uint8).numpy()), dtype=view.dtype).view(view.shape)
 
 
 def like_param(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -117,44 +104,6 @@ class Piece:
     a: int  # [a, b) within the slot's local tensor
     b: int
     x: int  # position of `a` within the chunk
-
-
-@dataclass
-class Chunk:
-    """One unit of streaming; `fence` (an accelerator event) must complete before its buffers are reused."""
-    index: int
-    start: int
-    stop: int
-    views: dict = field(default_factory=dict)
-    fence: Any = None
-
-
-class HostStore:
-    """offload=cpu: the flat state tensors in (pinned) host memory."""
-
-    def __init__(self, numel: int, kinds: tuple, pin: bool, chunk_elems: int):
-        self.numel, self.kinds = numel, kinds
-        self.flat = {k: aligned_empty(numel * 4, pin).view(torch.float32).zero_() for k in kinds}
-        self.chunk_elems = chunk_elems
-
-    def host_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in self.flat.values())
-
-    def chunks(self) -> list[tuple[int, int]]:
-        return [(c, min(c + self.chunk_elems, self.numel)) for c in range(0, self.numel, self.chunk_elems)]
-
-    def stream(self) -> Iterator[Chunk]:
-        for i, (c0, c1) in enumerate(self.chunks()):
-            yield Chunk(i, c0, c1, {k: t[c0:c1] for k, t in self.flat.items()})
-
-    def view(self, kind: str, offset: int, numel: int) -> torch.Tensor:
-        return standalone(self.flat[kind][offset:offset + numel])
-
-    def release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class HostAdamW(Optimizer):

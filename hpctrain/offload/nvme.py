@@ -28,9 +28,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from hpctrain.directio import ALIGN, aligned_empty, open_direct
+from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct
 from hpctrain.offload.aio import AsyncIO, Batch
-from hpctrain.offload.cpu import Chunk, OffloadError
+from hpctrain.disk import writable_dir_problem
+from hpctrain.offload.store import Chunk, OffloadError
 
 log = logging.getLogger("hpctrain")
 
@@ -47,16 +48,10 @@ def check_dir(path: Optional[str]) -> str:
     if not path:
         raise OffloadError("offload.target=nvme needs a directory for the optimizer state files. "
                            "Fix: offload.path=<directory on a fast local disk>")
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    if not os.path.exists(path):
-        raise OffloadError(f"offload.path={path} does not exist. Fix: create it (mkdir -p {path}) or point "
-                           "offload.path at an existing directory on a local NVMe disk")
-    if not os.path.isdir(path):
-        raise OffloadError(f"offload.path={path} is not a directory. Fix: point offload.path at a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise OffloadError(f"offload.path={path} is not writable by this user. Fix: chmod it, or choose "
-                           "another directory")
-    return path
+    problem = writable_dir_problem("offload.path", path)
+    if problem:
+        raise OffloadError(problem)
+    return os.path.abspath(os.path.expanduser(str(path)))
 
 
 def _rank() -> int:
@@ -215,7 +210,7 @@ class NvmeStore:
     def view(self, kind: str, offset: int, numel: int) -> torch.Tensor:
         """A tensor backed by the file itself (a shared memory map): reads and in-place writes go to
         the file. Valid until `release()` (the next step). Its storage starts at its first element
-        (see hpctrain.offload.cpu.standalone)."""
+        (see hpctrain.offload.store.standalone)."""
         if not numel:
             return torch.empty(0, dtype=torch.float32)
         mm = self._views.get(kind)

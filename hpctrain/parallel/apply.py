@@ -1,8 +1,9 @@
-"""Apply the configured parallelism to a meta-device model, torchtitan's order:
+"""Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
 pipeline split -> tensor parallel -> activation checkpointing -> compile -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
-parallel, the stages the schedule drives.
+parallel, the stages the schedule drives. Every decision (which engine, dtypes, resharding, where
+parameters live, the blocks of each stage) comes from hpctrain.spec.EngineSpec.
 """
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from hpctrain.layout import params_on_host
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data import apply_ddp, apply_fsdp
 from hpctrain.parallel.init import materialize
-from hpctrain.parallel.pipeline import layer_ranges, stage_ids, stage_module, stages_per_rank
+from hpctrain.parallel.pipeline import stage_module
 from hpctrain.parallel.tensor import apply_tp
+from hpctrain.spec import EngineSpec
 
 
 @dataclass
@@ -35,41 +36,35 @@ class Parallelized:
         return self.num_stages - 1 in self.stage_indices
 
 
-def parallelize(model: nn.Module, meshes, cfg, device: torch.device, init_param_) -> Parallelized:
+def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device, init_param_, seed: int,
+                pin_memory: bool = True) -> Parallelized:
     """`model` must be on the meta device."""
-    p = cfg.parallel
-    param_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    init = partial(materialize, device=device, seed=cfg.train.seed, init_param_=init_param_)
-
-    if p.pp > 1:
-        pp_rank = meshes.world["pp"].get_local_rank()
-        per_rank = stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
-        num_stages = p.pp * per_rank
-        ranges = layer_ranges(model, num_stages)
-        ids = stage_ids(pp_rank, p.pp, per_rank, p.pp_schedule)
-        parts = [stage_module(model, s, num_stages, ranges[s]) for s in ids]
+    init = partial(materialize, device=device, seed=seed, init_param_=init_param_)
+    pipe = spec.pipeline
+    if pipe:
+        ids = pipe.stage_ids(meshes.world["pp"].get_local_rank())
+        parts = [stage_module(model, s, pipe.stages, pipe.blocks[s]) for s in ids]
     else:
-        ids, num_stages, parts = [0], 1, [model]
+        ids, parts = [0], [model]
 
     out = []
     for part in parts:
-        if p.tp > 1:
+        if spec.layout.tp > 1:
             apply_tp(part, meshes.world["tp"])
-        if p.ac != "none":
-            apply_ac(part, p.ac, p.ac_every)
-        if cfg.train.compile:
+        if spec.ac != "none":
+            apply_ac(part, spec.ac, spec.ac_every)
+        if spec.compile:
             apply_compile(part)
-        if p.zero >= 2:
-            # ZeRO-2 keeps parameters gathered from forward through backward; ZeRO-3 re-gathers them
-            # per block in backward. With pipelining each block runs once per micro-batch: gather once.
-            host = params_on_host(cfg.offload.target, p.zero, p.tp)
-            apply_fsdp(part, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                       reshard_after_forward=(p.zero == 3 and p.pp == 1), host_params=host,
-                       pin_memory=host and device.type == "cuda" and bool(cfg.offload.pin_memory))
+        if spec.data_parallel == "fsdp":
+            host = spec.placement.params == "host"
+            apply_fsdp(part, meshes.fsdp, param_dtype=getattr(torch, spec.dtypes.param),
+                       reduce_dtype=getattr(torch, spec.dtypes.reduce),
+                       reshard_after_forward=spec.sharding.reshard_after_forward, host_params=host,
+                       pin_memory=host and device.type == "cuda" and pin_memory)
             init(part, param_device=torch.device("cpu") if host else None)
         else:
             init(part)  # DDP needs real weights to wrap
             if meshes.dp.size() > 1:
                 part = apply_ddp(part, meshes.dp)
         out.append(part)
-    return Parallelized(out, ids, num_stages)
+    return Parallelized(out, ids, pipe.stages if pipe else 1)

@@ -1,10 +1,15 @@
-"""The tensors a checkpoint holds, named the same whatever the layout, so DCP can reshard them:
+"""The model's and the optimizer's tensors as checkpointable (Stateful) objects, named the same
+whatever the layout, so DCP can reshard them:
 
     model.<fqn>               every parameter (a DTensor under FSDP/TP: DCP stores its shards)
     optim.<fqn>.<name>        the optimizer state of that parameter (exp_avg, exp_avg_sq, step)
 
 <fqn> is the plain Llama's parameter name. With ZeRO-1 only the rank that owns a parameter holds its
 optimizer state and saves it; with pipeline parallel each rank holds the stages it runs.
+
+Each object's state_dict() returns the live tensors themselves, so DCP loads into them in place;
+`key()` is the identity of those tensors: while it is unchanged, a state dict built earlier still
+refers to the current (updated in place) values and can be saved again as it is.
 """
 from __future__ import annotations
 
@@ -28,23 +33,62 @@ def _named_params(parts: list[nn.Module]) -> dict[int, str]:
     return names
 
 
-def model_state(parts: list[nn.Module]) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+class ModelState:
+    """Every parameter of this rank's model parts (pipeline stages), by its plain name."""
 
-    out = {}
-    for part in parts:
-        out.update(get_model_state_dict(part))
-    return out
+    sharded = True  # DCP saves and reshards it (hpctrain.checkpoint.manager)
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out = {}
+        for part in self.parts:
+            out.update(get_model_state_dict(part))
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        for part in self.parts:
+            set_model_state_dict(part, {k: state[k] for k in get_model_state_dict(part)})
+
+    def key(self) -> tuple:
+        return tuple(id(p) for part in self.parts for p in part.parameters())
 
 
-def optimizer_state(parts: list[nn.Module], optimizer) -> dict:
-    names = _named_params(parts)
-    opt = _plain_optimizer(optimizer)
-    out = {}
-    for p, st in opt.state.items():
-        if id(p) in names and st:
-            out[names[id(p)]] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
-    return out
+class OptimizerState:
+    """The optimizer's per-parameter tensors (moments, step counts, offloaded master weights)."""
+
+    sharded = True
+
+    def __init__(self, parts: list[nn.Module], optimizer):
+        self.parts, self.optimizer = parts, optimizer
+
+    def state_dict(self) -> dict:
+        init_optimizer_state(self.parts, self.optimizer)
+        names = _named_params(self.parts)
+        out = {}
+        for p, st in _plain_optimizer(self.optimizer).state.items():
+            if id(p) in names and st:
+                out[names[id(p)]] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        # DCP loaded into the tensors state_dict() returned, which are the optimizer's own: a copy is
+        # needed only where a tensor was replaced since.
+        live = self.state_dict()
+        for name, tensors in state.items():
+            for k, v in tensors.items():
+                if live[name][k] is not v:
+                    live[name][k].copy_(v)
+
+    def key(self) -> tuple:
+        opt = _plain_optimizer(self.optimizer)
+        return tuple(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 
 @torch.no_grad()
@@ -64,29 +108,3 @@ def init_optimizer_state(parts: list[nn.Module], optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
-
-
-def state_key(parts: list[nn.Module], optimizer) -> tuple:
-    """The identity of every tensor checkpoint_state would hold: while it is unchanged, a state dict
-    built earlier refers to the same (updated in place) tensors and can be saved again as it is."""
-    params = tuple(id(p) for part in parts for p in part.parameters())
-    opt = _plain_optimizer(optimizer)
-    states = tuple(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    return params, states
-
-
-def checkpoint_state(parts: list[nn.Module], optimizer) -> dict:
-    init_optimizer_state(parts, optimizer)
-    return {"model": model_state(parts), "optim": optimizer_state(parts, optimizer)}
-
-
-def load_checkpoint_state(parts: list[nn.Module], optimizer, state: dict) -> None:
-    """After DCP loaded into `state` (from checkpoint_state): push the model tensors back into the
-    parts (the optimizer tensors were loaded in place)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    names = set()
-    for part in parts:
-        mine = model_state([part])
-        names |= set(mine)
-        set_model_state_dict(part, {k: state["model"][k] for k in mine})

@@ -10,17 +10,15 @@ from hpctrain.compose import ConfigError
 
 
 def _space(for_launch: bool):
-    from hpctrain.check import CHOICES
     from hpctrain.plan.search import Space
 
-    # Only what parallel.zero accepts; offload only where the engine can run it.
-    offloads = ("none",) if for_launch else Space().offloads
-    return Space(zeros=tuple(z for z in Space().zeros if z in CHOICES["parallel.zero"]), offloads=offloads)
+    # A launch searches layouts without offload; a dry run may suggest it.
+    return Space(offloads=("none",)) if for_launch else Space()
 
 
 def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
     """Overrides of the fastest layout that fits (parallel=auto)."""
-    from hpctrain.config import world_size
+    from hpctrain.spec import world_size
     from hpctrain.plan.memory import job_of
     from hpctrain.plan.report import explain
     from hpctrain.plan.search import overrides, search
@@ -33,7 +31,7 @@ def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
 
 def plan_and_check(cfg: Any, for_launch: bool):
     """The requested layout's plan; raises ConfigError when it cannot fit."""
-    from hpctrain.config import world_size
+    from hpctrain.spec import world_size
     from hpctrain.plan.memory import job_of
     from hpctrain.plan.report import describe, plan, summary
     from hpctrain.plan.search import nearest, search

@@ -8,11 +8,12 @@ composed config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from hpctrain.config import ClusterConfig, ModelConfig
-from hpctrain.layout import Layout, layout_of, params_on_host
-from hpctrain.plan.flops import param_counts
+from hpctrain.spec import EngineSpec, Layout, build, engine_spec, ranks_per_node
+from hpctrain.flops import param_counts
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
@@ -52,16 +53,43 @@ class Job:
     def world(self) -> int:
         return self.layout.world
 
+    @cached_property
+    def spec(self) -> EngineSpec:
+        """What the engine does with these knobs (hpctrain.spec): the planner prices that."""
+        c = self.cluster
+        return build(self.model, self.layout, zero=self.zero, precision=self.precision, offload=self.offload,
+                     schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
+                     micro_batch=self.micro_batch, seq_len=self.seq_len, ac=self.ac, ac_every=self.ac_every,
+                     nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device)
+
     @property
     def microbatches(self) -> int:
         """Micro-batches each data-parallel rank runs per step (pipeline micro-batches when pp > 1)."""
-        return max(1, self.global_batch // max(1, self.layout.dp * self.micro_batch))
+        return self.spec.microbatches
 
     @property
     def zero_group(self) -> int:
-        """Ranks the model state is sharded over: ZeRO shards within dp_shard, replicates across
-        dp_replicate (HSDP); ZeRO-0 shards nothing."""
-        return self.layout.dp_shard if self.zero >= 1 else 1
+        """Ranks the model state is sharded over (1: replicated)."""
+        return self.spec.sharding.group
+
+    @property
+    def params_on_host(self) -> bool:
+        return self.spec.placement.params == "host"
+
+    def stage_layers(self, stage: int) -> int:
+        """Blocks pipeline rank `stage` holds, over all its (virtual) stages."""
+        p = self.spec.pipeline
+        return p.rank_blocks(stage) if p else self.model.n_layers
+
+    def first(self, stage: int) -> bool:
+        """Pipeline rank `stage` holds the embedding (the first stage)."""
+        p = self.spec.pipeline
+        return p.holds_embedding(stage) if p else True
+
+    def last(self, stage: int) -> bool:
+        """Pipeline rank `stage` holds the final norm, output projection and loss (the last stage)."""
+        p = self.spec.pipeline
+        return p.holds_output(stage) if p else True
 
     def with_(self, **kw) -> "Job":
         return replace(self, **kw)
@@ -72,13 +100,13 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
     from omegaconf import OmegaConf
 
     p, t = cfg.parallel, cfg.train
-    lay = layout_of(cfg, world)
+    spec = engine_spec(cfg, world)
     cluster = cluster_of(cfg)
-    if cfg.launcher.name == "local":
-        cluster = replace(cluster, nodes=1, tasks_per_node=lay.world,
-                          gpus_per_node=lay.world if cluster.gpus_per_node else 0)
-    return Job(model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)), cluster=cluster, layout=lay,
-               seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
+    if (cluster.nodes, ranks_per_node(cluster)) != (spec.nodes, spec.ranks_per_node):
+        cluster = replace(cluster, nodes=spec.nodes, tasks_per_node=spec.ranks_per_node,
+                          gpus_per_node=spec.ranks_per_node if cluster.gpus_per_node else 0)
+    return Job(model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)), cluster=cluster,
+               layout=spec.layout, seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
                schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, offload=cfg.offload.target,
                async_checkpoint=bool(cfg.checkpoint["async"]))
@@ -89,10 +117,6 @@ def cluster_of(cfg: Any) -> ClusterConfig:
     from omegaconf import OmegaConf
 
     return ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
-
-
-def ranks_per_node(cluster: Any) -> int:
-    return cluster.gpus_per_node or cluster.tasks_per_node or 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,24 +132,20 @@ class StageParams:
     largest_unit: float  # the biggest FSDP unit (a block, the embedding or the output layer)
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> int:
-    # Even split; a remainder goes to the first stages (the planner's search requires divisibility).
-    return n_layers // pp + (1 if stage < n_layers % pp else 0)
-
-
-def stage_params(m: Any, pp: int, tp: int, stage: int) -> StageParams:
+def stage_params(job: "Job", stage: int) -> StageParams:
+    m, tp = job.model, job.layout.tp
     c = param_counts(m)
     # TP splits every matrix (vocab-parallel embedding and output included); norms are replicated.
     block = (c["per_block"] - 2 * m.dim) / tp + 2 * m.dim
-    layers = stage_layers(m.n_layers, pp, stage)
+    layers = job.stage_layers(stage)
     units = [block] if layers else []
     total = layers * block
-    if stage == 0:
+    if job.first(stage):
         units.append(c["embedding"] / tp)
         total += c["embedding"] / tp
-    if stage == pp - 1:
+    if job.last(stage):
         # Tied embeddings on one stage share a tensor; across stages each end holds a copy.
-        out = c["embedding"] if (m.tie_embeddings and pp > 1) else c["output"]
+        out = c["embedding"] if (m.tie_embeddings and job.layout.pp > 1) else c["output"]
         units.append(out / tp + m.dim)
         total += out / tp + m.dim
     return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0))
@@ -139,7 +159,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
     parameters being their own master copy. ZeRO-1 shards the optimizer state (master + moments) over
     `shard` ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Offloading moves master and
     moments to the host (cpu) or NVMe, where the host optimizer also needs the fp32 gradients.
-    `host_params` (FSDP2's CPU offload, hpctrain.layout.params_on_host): the sharded parameters, in fp32 and
+    `host_params` (FSDP2's CPU offload, hpctrain.spec.placement): the sharded parameters, in fp32 and
     serving as master weights, and the sharded gradients live on the host as well; the device keeps
     only what it gathers (all of it from forward to backward with ZeRO-2, a unit at a time with ZeRO-3).
     """
@@ -251,11 +271,11 @@ def activations(job: Job, stage: int) -> dict:
     stage. Whether all of them are alive together with the gradients is decided in stage_memory."""
     m, lay, pr = job.model, job.layout, job.precision
     tokens = job.micro_batch * job.seq_len
-    layers = stage_layers(m.n_layers, lay.pp, stage)
+    layers = job.stage_layers(stage)
     full = layer_activation_bytes(m, tokens, lay.tp, pr)
     ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr) + (layers - ckpt) * full
-    if stage == lay.pp - 1:  # final norm input (sequence-parallel) and the gathered output-layer input
+    if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
         per_mb += tokens * m.dim * (1 / lay.tp + 1) * BYTES[pr]
     held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
@@ -299,7 +319,7 @@ def transients(job: Job, sp: StageParams) -> dict:
     m, lay = job.model, job.layout
     pb = BYTES[job.precision]
     out = {}
-    if job.zero == 2 and job.zero_group > 1 and not params_on_host(job.offload, job.zero, job.layout.tp):
+    if job.zero == 2 and job.zero_group > 1 and not job.params_on_host:
         # FSDP2 without resharding after forward: the gathered parameters (the model state's
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
@@ -314,7 +334,7 @@ def transients(job: Job, sp: StageParams) -> dict:
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
         out["ddp_buckets"] = pb * sp.total
-    if sp.stage == lay.pp - 1:
+    if job.last(sp.stage):
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
         # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
         out["logits"] = job.micro_batch * job.seq_len * m.vocab_size / lay.tp * (pb + 4 + 4)
@@ -324,8 +344,8 @@ def transients(job: Job, sp: StageParams) -> dict:
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.layout
-    sp = stage_params(job.model, lay.pp, lay.tp, stage)
-    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, params_on_host(job.offload, job.zero, job.layout.tp))
+    sp = stage_params(job, stage)
+    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, job.params_on_host)
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hpctrain.config import ModelConfig
-from hpctrain.layout import Layout
-from hpctrain.plan.flops import param_counts
+from hpctrain.spec import Layout
+from hpctrain.flops import param_counts
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
 from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, throughput

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from hpctrain.layout import Layout
-from hpctrain.plan.memory import Job, Memory, memory, ranks_per_node
+from hpctrain.plan.memory import Job, Memory, memory
+from hpctrain.spec import ZERO_STAGES, Layout, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
 
 # The knobs a layout is made of; `nearest` counts how many of them differ.
@@ -19,7 +19,7 @@ KNOBS = ("tp", "pp", "dp_replicate", "zero", "offload", "ac", "micro_batch", "sc
 class Space:
     """What the search may choose from. TP stays inside a node (its per-layer collectives would
     crawl over the NICs); HSDP shard groups cover whole nodes."""
-    zeros: tuple = (0, 1, 2, 3)
+    zeros: tuple = ZERO_STAGES
     offloads: tuple = ("none", "cpu", "nvme")
     acs: tuple = ("none", "selective", "full")
     micro_batches: tuple = (1, 2, 4, 8)
@@ -67,7 +67,7 @@ def overrides(job: Job) -> list[str]:
     if job.ac == "selective":
         out.append(f"parallel.ac_every={job.ac_every}")
     if job.layout.pp > 1:
-        out += [f"parallel.pp_schedule={job.schedule}", f"parallel.pp_microbatches={job.microbatches}"]
+        out.append(f"parallel.pp_schedule={job.schedule}")
         if job.schedule == "interleaved_1f1b":
             out.append(f"parallel.pp_virtual_stages={job.virtual_stages}")
     return out

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpctrain.plan.flops import train_flops_per_token
-from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, ranks_per_node, stage_layers,
+from hpctrain.flops import train_flops_per_token
+from hpctrain.spec import ranks_per_node
+from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers,
                                   stage_params)
 
 # Causal flash attention computes half of the s x s score matrix that the FLOP rule counts.
@@ -172,14 +173,15 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int) -> dict:
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     m, lay = job.model, job.layout
     tokens = job.micro_batch * job.seq_len
-    layers = stage_layers(m.n_layers, lay.pp, stage)
+    layers = job.stage_layers(stage)
+    first, last = job.first(stage), job.last(stage)
     lf = layer_fwd(job, hw, tokens)
     fwd = layers * (lf["gemm"] + lf["attn"] + lf["elem"])
     bwd = layers * (2 * lf["gemm"] + ATTN_BWD * lf["attn"] + 2 * lf["elem"])
-    if stage == 0:  # embedding lookup and its scatter-add gradient
+    if first:  # embedding lookup and its scatter-add gradient
         fwd += tokens * m.dim / lay.tp * hw.elem / hw.hbm
         bwd += 2 * tokens * m.dim / lay.tp * hw.elem / hw.hbm
-    if stage == lay.pp - 1:  # output projection and the fp32 loss over vocab-parallel logits
+    if last:  # output projection and the fp32 loss over vocab-parallel logits
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp)
         fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
         bwd += 2 * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
@@ -192,18 +194,18 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         # Sequence parallel: per block 2 all-gathers + 2 reduce-scatters of the residual stream forward,
         # the same backward, and again for a recomputed block; the output layer gathers once each way.
         act = tokens * m.dim * hw.elem
-        per_mb = 4 * layers + 2 * recomputed + (stage == lay.pp - 1)
+        per_mb = 4 * layers + 2 * recomputed + last
         colls.append(_coll(job, "tp", "all_gather", act, per_mb * mb))
         colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
-        if stage == lay.pp - 1:  # vocab-parallel cross-entropy: max, sum-exp, target logit
+        if last:  # vocab-parallel cross-entropy: max, sum-exp, target logit
             colls.append(_coll(job, "tp", "all_reduce", tokens * 4, 3 * mb))
     tp_time = sum(c.total for c in colls) / mb
     for c in colls:
         c.exposed = c.total * (1 - sw.tp_overlap)
     tp_exposed = tp_time * (1 - sw.tp_overlap)
 
-    sp = stage_params(m, lay.pp, lay.tp, stage)
-    units = layers + (stage == 0) + (stage == lay.pp - 1)
+    sp = stage_params(job, stage)
+    units = layers + first + last
     st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls)
     _zero_traffic(job, st, hw, sw)
     return st

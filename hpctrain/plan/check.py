@@ -1,30 +1,18 @@
 """Refuse a config that cannot run, before any process starts.
 
-Each check returns a message that names the offending keys and a fix. `check(cfg)` raises one
-ConfigError listing all of them, so a user fixes everything in one go.
+The schema (hpctrain.config) already refused unknown keys, wrong types and values outside a choice's
+list while composing. What is left spans several fields: sizes that must divide, ranges, files that
+must exist, the cluster. Each check yields messages that name the offending keys and a fix;
+`check(cfg)` raises one ConfigError listing all of them, so a user fixes everything in one go.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-from hpctrain.compose import ConfigError
-from hpctrain.config import world_size
-from hpctrain.layout import layout_of
-
-CHOICES = {
-    "data.source": ("synthetic", "shards"),
-    "train.precision": ("fp32", "bf16"),
-    "launcher.name": ("local", "slurm", "sbatch", "print"),
-    "launcher.backend": ("auto", "gloo", "nccl"),
-    "offload.target": ("none", "cpu", "nvme"),
-    "parallel.ac": ("none", "full", "selective"),
-    "parallel.zero": (0, 1, 2, 3),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"),
-    "cluster.device": ("cpu", "cuda"),
-    "optim.name": ("adamw",),
-    "optim.impl": ("auto", "fused", "foreach", "for_loop"),
-}
+from hpctrain.compose import ConfigError, bad_choices, compose
+from hpctrain.disk import writable_dir_problem
+from hpctrain.spec import ZERO_STAGES, engine_spec, layout_of, world_size
 
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -47,6 +35,14 @@ def _get(cfg: Any, key: str):
     return node
 
 
+def compose_checked(overrides: Sequence[str]) -> tuple[Any, list[str]]:
+    """(config, refusals): the config composed from every override whose value its choice allows, and
+    a message for each that it does not, to report with check()'s other problems (composing alone
+    stops at the first such value)."""
+    refused = dict(bad_choices(overrides))
+    return compose([o for o in overrides if o not in refused]), list(refused.values())
+
+
 def problems(cfg: Any) -> list[str]:
     out: list[str] = []
     for fn in CHECKS:
@@ -54,20 +50,19 @@ def problems(cfg: Any) -> list[str]:
     return out
 
 
-def check(cfg: Any) -> None:
-    found = problems(cfg)
+def check(cfg: Any, refused: Sequence[str] = ()) -> None:
+    """Raise one ConfigError naming every problem: `refused` (what composing already refused) first."""
+    found = [*refused, *problems(cfg)]
     if found:
         lines = "\n".join(f"  - {p}" for p in found)
         raise ConfigError(f"this config cannot run ({len(found)} problem{'s' * (len(found) > 1)}):\n{lines}")
 
 
 @_check
-def _choices(cfg):
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            yield (f"{key}={value} is not one of {', '.join(map(str, allowed))}. "
-                   f"Fix: {key}={allowed[0]}")
+def _zero(cfg):
+    if cfg.parallel.zero not in ZERO_STAGES:
+        yield (f"parallel.zero={cfg.parallel.zero} is not one of {', '.join(map(str, ZERO_STAGES))}. "
+               "Fix: parallel.zero=3")
 
 
 @_check
@@ -205,35 +200,35 @@ def _engine(cfg):
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if min(p.pp, p.tp, p.dp_replicate) < 1 or t.micro_batch < 1:
         return
-    lay = layout_of(cfg)
-    if lay.dp > 1 and (p.tp > 1 or p.pp > 1) and p.zero < 2:
+    spec = engine_spec(cfg)
+    lay = spec.layout
+    if lay.dp > 1 and (p.tp > 1 or p.pp > 1) and spec.data_parallel != "fsdp":
         yield (f"parallel.zero={p.zero} with data parallel over {lay.dp} ranks and tp={p.tp}, pp={p.pp}: "
                "DDP and ZeRO-1 do not compose with tensor/pipeline parallel here. Fix: parallel.zero=2 or 3")
-    if p.dp_replicate > 1 and p.zero < 2:
+    if p.dp_replicate > 1 and spec.data_parallel != "fsdp":
         yield ("parallel.dp_replicate>1 (HSDP) needs a sharded data-parallel engine. "
                "Fix: parallel.zero=2 or 3, or parallel.dp_replicate=1")
-    if p.pp > 1:
-        from hpctrain.parallel.pipeline import stages_per_rank
-
-        stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_virtual_stages)
-        if m.tie_embeddings:
-            yield ("model.tie_embeddings=true cannot be split over pipeline stages (the embedding and the "
-                   "output would live on different ranks). Fix: parallel.pp=1")
-        if stages > m.n_layers + 2:
-            yield (f"parallel.pp={p.pp} with schedule {p.pp_schedule} makes {stages} stages but the model has "
-                   f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
-        if lay.dp >= 1 and t.global_batch % (lay.dp * t.micro_batch) == 0:
-            n_micro = t.global_batch // lay.dp // t.micro_batch
-            if p.pp_schedule == "dualpipev" and n_micro < stages:
-                yield (f"{n_micro} micro-batches per step for parallel.pp_schedule=dualpipev with {stages} stages: "
-                       f"DualPipeV needs at least as many micro-batches as stages. "
-                       f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // stages)} or a larger train.global_batch")
-            elif n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
-                yield (f"{n_micro} micro-batches per step (train.global_batch / data-parallel ranks / "
-                       f"train.micro_batch) for parallel.pp={p.pp}, schedule {p.pp_schedule}: a pipeline needs at "
-                       f"least pp micro-batches, a multiple of pp for interleaved schedules. "
-                       f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // (2 * p.pp))} or a larger "
-                       "train.global_batch")
+    if spec.pipeline is None:
+        return
+    stages = spec.pipeline.stages
+    if m.tie_embeddings:
+        yield ("model.tie_embeddings=true cannot be split over pipeline stages (the embedding and the "
+               "output would live on different ranks). Fix: parallel.pp=1")
+    if stages > m.n_layers + 2:
+        yield (f"parallel.pp={p.pp} with schedule {p.pp_schedule} makes {stages} stages but the model has "
+               f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
+    if lay.dp >= 1 and t.global_batch % (lay.dp * t.micro_batch) == 0:
+        n_micro = spec.microbatches
+        if p.pp_schedule == "dualpipev" and n_micro < stages:
+            yield (f"{n_micro} micro-batches per step for parallel.pp_schedule=dualpipev with {stages} stages: "
+                   f"DualPipeV needs at least as many micro-batches as stages. "
+                   f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // stages)} or a larger train.global_batch")
+        elif n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
+            yield (f"{n_micro} micro-batches per step (train.global_batch / data-parallel ranks / "
+                   f"train.micro_batch) for parallel.pp={p.pp}, schedule {p.pp_schedule}: a pipeline needs at "
+                   f"least pp micro-batches, a multiple of pp for interleaved schedules. "
+                   f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // (2 * p.pp))} or a larger "
+                   "train.global_batch")
 
 
 @_check
@@ -243,9 +238,6 @@ def _offload(cfg):
     o = cfg.offload
     if o.target == "none":
         return
-    kernels = ("auto", "cpp", "compile", "fused")  # hpctrain.offload.adam_kernel.KERNELS (imports torch)
-    if o.kernel not in kernels:
-        yield f"offload.kernel={o.kernel} is not one of {', '.join(kernels)}. Fix: offload.kernel=auto"
     for key in ("chunk_mb", "queue_depth", "block_mb"):
         if o[key] < 1:
             yield f"offload.{key}={o[key]} must be at least 1"
@@ -257,23 +249,10 @@ def _offload(cfg):
     if not o.path:
         yield ("offload.target=nvme needs a directory for the optimizer state files. "
                "Fix: offload.path=<directory on a fast local disk>")
-        return
-    if cfg.launcher.name != "local":
-        return  # the ranks run elsewhere: a node-local path need not exist here; each rank checks it
-    path = os.path.abspath(os.path.expanduser(str(o.path)))
-    if not os.path.exists(path):
-        yield (f"offload.path={path} does not exist. Fix: mkdir -p {path}, or point offload.path at an "
-               "existing directory on a fast local disk")
-    elif not os.path.isdir(path):
-        yield f"offload.path={path} is not a directory. Fix: point offload.path at a directory"
-    elif not os.access(path, os.W_OK | os.X_OK):
-        yield f"offload.path={path} is not writable by this user. Fix: chmod it, or choose another directory"
-
-
-def launch_problems(cfg: Any) -> list[str]:
-    """What this build cannot start yet. A dry run still plans such layouts; a launch refuses them
-    here rather than deep inside torch."""
-    return []
+    elif cfg.launcher.name == "local":  # elsewhere the path is node-local: each rank checks it at start
+        problem = writable_dir_problem("offload.path", o.path)
+        if problem:
+            yield problem
 
 
 def _divisors(n: int) -> str:

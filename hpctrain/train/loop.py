@@ -4,29 +4,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from omegaconf import OmegaConf
 
-from hpctrain.checkpoint.manager import CheckpointManager, NoUsableCheckpoint
-from hpctrain.checkpoint.store import list_complete
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset
 from hpctrain.data.sampler import StepSampler
 from hpctrain.dist.mesh import build_mesh
-from hpctrain.layout import layout_of
-from hpctrain.metrics import MetricsLogger, peak_rss_bytes
 from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
-from hpctrain.optim import build_optimizer
 from hpctrain.parallel import parallelize
-from hpctrain.plan.flops import train_flops_per_token
-from hpctrain.faults import slow_step
-from hpctrain.preempt import Preemption
+from hpctrain.parallel.state import ModelState, OptimizerState
 from hpctrain.rundir import write_atomic, write_outcome
+from hpctrain.spec import EngineSpec, engine_spec
+from hpctrain.train.faults import slow_step
+from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
+from hpctrain.train.optim import build_optimizer
+from hpctrain.train.preempt import Preemption
+from hpctrain.train.state import Progress, Schedule
 
 log = logging.getLogger("hpctrain")
 
@@ -58,65 +59,52 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: str, device: torch.device):
+    def __init__(self, cfg, run_dir: str, device: torch.device, spec: Optional[EngineSpec] = None):
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
+        self.spec = spec or engine_spec(cfg, dist.get_world_size())
         self.rank = dist.get_rank()
-        self.layout = layout_of(cfg, dist.get_world_size())
-        self.meshes = build_mesh(self.layout, device.type)
+        self.meshes = build_mesh(self.spec.layout, device.type)
         self.dp_mesh = self.meshes.dp
 
         args = LlamaArgs.from_config(cfg.model, max_seq_len=cfg.data.seq_len)
-        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-        model = build_meta(args)
         init = partial(lambda a, name, t, gen: init_param_(name, t, a, gen), args)
-        self.par = parallelize(model, self.meshes, cfg, device, init)
+        self.par = parallelize(build_meta(args), self.meshes, self.spec, device, init, seed=cfg.train.seed,
+                               pin_memory=bool(cfg.offload.pin_memory))
         self.parts = self.par.parts
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
-            self.params, cfg.optim, cfg.train.steps,
-            zero_group=self.dp_mesh.get_group() if cfg.parallel.zero == 1 else None, offload=cfg.offload)
-        self.pp_group = self.meshes.world["pp"].get_group() if cfg.parallel.pp > 1 else None
-        self.schedule = self._pipeline_schedule() if self.pp_group is not None else None
-
+            self.params, cfg.optim, cfg.train.steps, offload=cfg.offload,
+            zero_group=self.dp_mesh.get_group() if self.spec.data_parallel == "zero1" else None)
+        self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
+        self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
                                    self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
-        self.step = 0  # optimizer steps completed
-        self.tokens_seen = 0
-        self.autocast = (cfg.train.precision == "bf16" and cfg.parallel.zero == 0)
-        self.ckpt = CheckpointManager(run_dir, cfg, OmegaConf.to_container(cfg, resolve=True))
+        self.progress = Progress()
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, {
+            "model": ModelState(self.parts),
+            "optim": OptimizerState(self.parts, self.optimizer),
+            "scheduler": Schedule(self.scheduler, self.optimizer),
+            "data": self.sampler,
+            "progress": self.progress,
+            "rng": RNG(),
+        }, total_steps=cfg.train.steps,
+            meta={"layout": asdict(self.spec.layout), "config": OmegaConf.to_container(cfg, resolve=True)})
         self.resumed_from: int | None = None
 
-    # ------------------------------------------------------------ checkpoints
+    @property
+    def step(self) -> int:
+        return self.progress.step
 
-    def _extra_state(self) -> dict:
-        return {"tokens_seen": self.tokens_seen, "data": self.sampler.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "layout": self.layout.__dict__}
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress.step = value
 
     def save(self, blocking: bool = True) -> None:
-        self.ckpt.save(self.step, self.parts, self.optimizer, self._extra_state(), blocking=blocking)
+        self.ckpt.save(self.step, blocking=blocking)
 
     def resume(self, warn) -> None:
         """Continue from the newest complete checkpoint in the run directory, if there is one."""
-        if not self.cfg.checkpoint.resume:
-            existing = list_complete(self.ckpt.root)
-            if existing:
-                raise NoUsableCheckpoint(
-                    f"{self.ckpt.root} already holds checkpoints (newest step {existing[-1][0]}) and "
-                    "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
-                    "or drop checkpoint.resume=false to continue that run")
-            return
-        info = self.ckpt.load_latest(self.parts, self.optimizer, warn)
-        if info is None:
-            return
-        self.step = info["step"]
-        self.tokens_seen = info["tokens_seen"]
-        self.sampler.load_state_dict(info["data"])
-        self.scheduler.load_state_dict(info["scheduler"])
-        # The scheduler's state holds the LR; the optimizer's groups still hold the initial one.
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-        self.resumed_from = self.step
-        self.ckpt.last_saved = self.step
+        self.resumed_from = self.ckpt.resume(warn)
 
     # ------------------------------------------------------------ one step
 
@@ -129,13 +117,17 @@ class Trainer:
             m.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def _loss_context(self):
-        """With tensor parallel the logits stay split over the vocabulary (loss parallel)."""
-        if self.cfg.parallel.tp > 1:
+    def _compute_context(self):
+        """Loss parallel keeps the logits split over the vocabulary under tensor parallel; autocast
+        runs the matmuls in the spec's compute dtype where parameters are not cast (DDP, ZeRO-1)."""
+        stack = contextlib.ExitStack()
+        if self.spec.layout.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+            stack.enter_context(loss_parallel())
+        if self.spec.dtypes.autocast:
+            stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.spec.dtypes.compute)))
+        return stack
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -148,16 +140,13 @@ class Trainer:
 
         stages = [PipelineStage(part, s, self.par.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.par.stage_indices)]
-        per_rank = self.cfg.train.global_batch // self.dp_mesh.size()
-        return build_schedule(stages, self.cfg.parallel.pp_schedule, per_rank // self.cfg.train.micro_batch,
-                              self.loss_fn)
+        return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self.loss_fn)
 
     def _forward_backward(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._sync_context(i == len(micro) - 1), self._loss_context(), torch.autocast(
-                    self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            with self._sync_context(i == len(micro) - 1), self._compute_context():
                 loss = self.loss_fn(self.parts[0](x), y) / len(micro)
                 loss.backward()
             loss_sum += _plain(loss.detach())
@@ -168,7 +157,7 @@ class Trainer:
         y = torch.cat([m[1] for m in micro]).to(self.device)
         losses: list = []
         args = (x,) if self.par.first else ()
-        with self._loss_context():
+        with self._compute_context():
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits.
             self.schedule.step(*args, target=y if self.par.last else None, losses=losses, return_outputs=False)
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
@@ -187,54 +176,39 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step += 1
-        self.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
+        self.progress.step += 1
+        self.progress.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
         # Every data-parallel rank saw different samples: the step's loss is their mean.
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return loss, norm
 
+    # ------------------------------------------------------------ the run
+
     def fit(self, preemption: Preemption | None = None) -> Outcome:
         cfg = self.cfg
-        warn = log.warning
-        self.resume(warn)
-        logger = None
-        if self.rank == 0:
-            truncate_metrics(self.run_dir, self.step)
-            logger = MetricsLogger(self.run_dir, cfg.train.steps, cfg.train.tensorboard)
-            if self.resumed_from is not None:
-                logger.event(f"resumed from checkpoint step {self.resumed_from}")
-        losses = []
-        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        peak = cfg.cluster.peak_tflops * 1e12
-        world = dist.get_world_size()
-        every = cfg.checkpoint.every
+        self.resume(log.warning)
+        logger = self._logger()
         preemption = preemption or Preemption().install()
-        status = "completed"
+        status, losses = "completed", []
         try:
             while self.step < cfg.train.steps:
-                t0 = time.perf_counter()
                 lr = self.scheduler.get_last_lr()[0]
+                t0 = time.perf_counter()
                 loss, norm = self.train_step()
                 slow_step()
                 loss_v, norm_v = loss.item(), float(norm)  # .item() waits for the step to finish
-                dt = time.perf_counter() - t0
                 losses.append(loss_v)
-                if logger and (self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps):
-                    tps = tokens_per_step / dt
-                    logger.log(self.step, loss=loss_v, grad_norm=norm_v, lr=lr, tokens_per_s=tps,
-                               mfu=tps * self.flops_per_token / (peak * world), mem_bytes=self._mem_bytes(),
-                               step_time_s=dt, tokens=self.tokens_seen)
+                self._log(logger, loss_v, norm_v, lr, time.perf_counter() - t0)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
                     status = "preempted"
                     if logger:
                         logger.event(f"{preemption.requested_by or 'a signal to another rank'}: saving step "
                                      f"{self.step} on every rank, then stopping")
-                    self.save(blocking=True)
+                    self.ckpt.save(self.step, blocking=True)
                     break
-                if every and self.step % every == 0 and self.step < cfg.train.steps:
-                    self.save(blocking=not cfg.checkpoint["async"])
-            if status == "completed" and every and self.ckpt.last_saved != self.step:
-                self.save(blocking=True)  # the end of a run is always kept
+                self.ckpt.after_step(self.step)
+            if status == "completed":
+                self.ckpt.finish(self.step)
             self.ckpt.close()
         finally:
             preemption.uninstall()
@@ -246,6 +220,24 @@ class Trainer:
         if self.rank == 0:
             write_outcome(self.run_dir, outcome.__dict__ | {"losses": None})
         return outcome
+
+    def _logger(self) -> Optional[MetricsLogger]:
+        if self.rank != 0:
+            return None
+        truncate_metrics(self.run_dir, self.step)
+        logger = MetricsLogger(self.run_dir, self.cfg.train.steps, self.cfg.train.tensorboard)
+        if self.resumed_from is not None:
+            logger.event(f"resumed from checkpoint step {self.resumed_from}")
+        return logger
+
+    def _log(self, logger, loss: float, norm: float, lr: float, dt: float) -> None:
+        if not logger or (self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps):
+            return
+        tps = self.cfg.train.global_batch * self.cfg.data.seq_len / dt
+        peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
+        logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
+                   mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
+                   tokens=self.progress.tokens_seen)
 
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":
