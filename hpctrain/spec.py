@@ -148,8 +148,12 @@ def layout_of(cfg: Any, world: Optional[int] = None) -> Layout:
     return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp)
 
 
-def data_parallel(zero: int) -> str:
-    return {0: "ddp", 1: "zero1"}.get(zero, "fsdp")
+def data_parallel(zero: int, dp: int) -> str:
+    """ZeRO-1 over a single data-parallel rank shards nothing: it is plain DDP (whose wrapper a
+    single rank skips), which also composes with tensor-parallel DTensors."""
+    if zero >= 2:
+        return "fsdp"
+    return "zero1" if zero == 1 and dp > 1 else "ddp"
 
 
 def dtypes(precision: str, zero: int) -> Dtypes:
@@ -158,7 +162,7 @@ def dtypes(precision: str, zero: int) -> Dtypes:
     reduction, stay fp32). The master weights are fp32 either way."""
     if precision != "bf16":
         return Dtypes(param=FLOAT32, compute=FLOAT32, autocast=False, reduce=FLOAT32, master=FLOAT32)
-    fsdp = data_parallel(zero) == "fsdp"
+    fsdp = zero >= 2
     return Dtypes(param=BFLOAT16 if fsdp else FLOAT32, compute=BFLOAT16, autocast=not fsdp,
                   reduce=FLOAT32, master=FLOAT32)
 
@@ -283,7 +287,7 @@ def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str
           ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto") -> EngineSpec:
     """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
     return EngineSpec(
-        layout=layout, zero=int(zero), data_parallel=data_parallel(zero), dtypes=dtypes(precision, zero),
+        layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp), dtypes=dtypes(precision, zero),
         sharding=sharding(zero, layout), placement=placement(offload, zero, layout.tp, master_on_nvme),
         pipeline=pipeline(model, layout.pp, schedule, virtual_stages), micro_batch=micro_batch,
         microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,

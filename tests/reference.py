@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.data import build_dataset
-from hpctrain.data.sampler import StepSampler
+from hpctrain.train.sampler import StepSampler
 from hpctrain.models.llama import Llama, LlamaArgs, init_param_
 from hpctrain.train.optim import build_optimizer
 

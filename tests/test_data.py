@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpctrain.data.prepare import prepare
-from hpctrain.data.sampler import StepSampler
+from hpctrain.train.sampler import StepSampler
 from hpctrain.data.shards import META, ShardDataset, read_meta
 from hpctrain.data.synthetic import SyntheticDataset
 

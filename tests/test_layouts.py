@@ -22,7 +22,7 @@ WORKER = str(Path(__file__).with_name("layout_worker.py"))
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 LAYOUTS = {
     2: ["parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
-        "parallel.tp=2 parallel.dp_shard=1",
+        "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         "parallel.zero=3 parallel.ac=full", "parallel.zero=2 parallel.ac=selective",
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES)],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",

@@ -355,7 +355,7 @@ class Bench:
     def _fault(self, result) -> None:
         """HPCTRAIN_FAULT="bench_corrupt:rank=R": rank R damages one element of each checked result,
         to prove that the check catches it (tests/test_bench_collectives.py)."""
-        from hpctrain.train import faults
+        from hpctrain import faults
 
         if faults.armed("bench_corrupt", rank=self.rank) and result.numel():
             result[result.numel() // 2] += 1

@@ -40,7 +40,7 @@ from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyL
                                       check_shapes, read_metadata)
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
 from hpctrain.rundir import overwrite_problem
-from hpctrain.train.faults import wrap_writer
+from hpctrain.faults import wrap_writer
 
 log = logging.getLogger("hpctrain")
 

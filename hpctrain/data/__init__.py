@@ -1,4 +1,6 @@
-"""Token datasets (synthetic, memory-mapped shards) and the resumable sampler that feeds ranks."""
+"""Token datasets without torch: synthetic, memory-mapped shards (numpy arrays per sample), the
+shard format and `python -m hpctrain.data.prepare`. The login node reads shard metadata to check a
+config; the ranks batch samples into tensors with hpctrain.train.sampler."""
 from __future__ import annotations
 
 

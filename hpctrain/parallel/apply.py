@@ -17,7 +17,7 @@ from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data import apply_ddp, apply_fsdp
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
-from hpctrain.parallel.tensor import apply_tp
+from hpctrain.parallel.tensor import apply_tp, keep_grads_like_params
 from hpctrain.spec import EngineSpec
 
 
@@ -64,6 +64,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             init(part, param_device=torch.device("cpu") if host else None)
         else:
             init(part)  # DDP needs real weights to wrap
+            if spec.layout.tp > 1:
+                keep_grads_like_params(part)
             if meshes.dp.size() > 1:
                 part = apply_ddp(part, meshes.dp)
         out.append(part)

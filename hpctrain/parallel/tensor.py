@@ -44,3 +44,20 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
     return model
+
+
+def keep_grads_like_params(model: nn.Module) -> nn.Module:
+    """Without FSDP (which reduce-scatters gradients into its own layout), a tensor-parallel gradient
+    arrives in whatever placement DTensor's backward produced: the vocabulary-parallel embedding's
+    comes back replicated, the whole vocab x dim tensor on every TP rank. Each gradient is laid out
+    like its parameter as soon as it is accumulated (a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    def relayout(p):
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            p.register_post_accumulate_grad_hook(relayout)
+    return model

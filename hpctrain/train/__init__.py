@@ -1,3 +1,3 @@
 """What every rank runs once torch.distributed is up: the loop (loop.py), the optimizer and its
 schedule (optim.py), the training state besides tensors (state.py), metrics, collective preemption,
-requeueing after it under Slurm, and fault injection."""
+and requeueing after it under Slurm."""

@@ -16,14 +16,14 @@ from omegaconf import OmegaConf
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset
-from hpctrain.data.sampler import StepSampler
+from hpctrain.train.sampler import StepSampler
 from hpctrain.dist.mesh import build_mesh
 from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 from hpctrain.parallel import parallelize
 from hpctrain.parallel.state import ModelState, OptimizerState
 from hpctrain.rundir import write_atomic, write_outcome
 from hpctrain.spec import EngineSpec, engine_spec
-from hpctrain.train.faults import slow_step
+from hpctrain.faults import slow_step
 from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
 from hpctrain.train.optim import build_optimizer
 from hpctrain.train.preempt import Preemption

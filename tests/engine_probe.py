@@ -1,0 +1,163 @@
+"""Looks inside one training step of several layouts (one multi-rank launch, as layout_worker.py):
+
+    python tests/engine_probe.py OUT.json 'override ...' 'override ...' ...
+
+For each layout every rank records, around one Trainer.train_step():
+- the dtypes every matmul ran in (a TorchDispatchMode over aten's mm/addmm/bmm/linear ops);
+- the dtypes gradients were reduced in (FSDP2's reduce-scatters, DDP's bucket all-reduces) and
+  parameters gathered in (FSDP2's all-gathers);
+- bytes of the gathered (not data-parallel-sharded) parameters registered on the modules when the
+  output projection has run (what forward keeps gathered), of the gradients the optimizer gets, of the optimizer's moments after
+  the step, and of the parameters at rest after it;
+- `full`: bytes of this rank's parameters if nothing were sharded over data parallel (global
+  shapes, divided by tp where tensor parallel splits them), and the biggest single tensor.
+Rank 0 writes {layout: [per-rank dicts]} to OUT.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hpctrain.compose import compose
+from hpctrain.dist.bootstrap import detect, init
+from hpctrain.train.loop import Trainer
+
+COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
+          "checkpoint.every=0", "train.steps=2"]
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            self.seen.update(str(a.dtype).replace("torch.", "") for a in args[:2] if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _gathered(p: torch.Tensor) -> bool:
+    """Not sharded over data parallel (FSDP2 registers the gathered parameter while a unit is in use)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return True
+    names = p.device_mesh.mesh_dim_names or ()
+    return not any(isinstance(pl, Shard) and n in ("dp_shard", "dp_replicate") for n, pl in zip(names, p.placements))
+
+
+def _tp_share(p: torch.Tensor, tp_mesh) -> float:
+    """Elements of p on one tensor-parallel rank, were it not sharded over data parallel."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor) or tp_mesh is None:
+        return p.numel()
+    names = p.device_mesh.mesh_dim_names or ()
+    split = any(isinstance(pl, Shard) and n == "tp" for n, pl in zip(names, p.placements))
+    return p.numel() / (tp_mesh.size() if split else 1)
+
+
+def probe(t: Trainer) -> dict:
+    record = {"reduce": set(), "gather": set(), "after_forward": 0}
+    tp_mesh = t.meshes.world["tp"] if t.spec.layout.tp > 1 else None
+
+    rs, ag = dist.reduce_scatter_single, dist.all_gather_single
+
+    def reduce_scatter_single(output, input, *a, **kw):
+        record["reduce"].add(str(input.dtype).replace("torch.", ""))
+        return rs(output, input, *a, **kw)
+
+    def all_gather_single(output, input, *a, **kw):
+        record["gather"].add(str(input.dtype).replace("torch.", ""))
+        return ag(output, input, *a, **kw)
+
+    dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter_single, all_gather_single
+    part = t.parts[-1]
+    model = getattr(part, "module", part)  # DDP wraps
+    if hasattr(part, "register_comm_hook"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def recording_hook(state, bucket):
+            record["reduce"].add(str(bucket.buffer().dtype).replace("torch.", ""))
+            return allreduce_hook(state, bucket)
+
+        part.register_comm_hook(t.dp_mesh.get_group(), recording_hook)
+    hooks = []
+    if model.output is not None:
+        def after_output(_m, _i, _o):
+            held = _bytes(p for q in t.parts for p in q.parameters() if _gathered(p))
+            record["after_forward"] = max(record["after_forward"], held)
+        hooks.append(model.output.register_forward_hook(after_output))
+
+    opt = t.optimizer
+    inner = getattr(opt, "optim", opt)
+    real_step = opt.step
+
+    def step(*a, **kw):
+        grads = [p.grad for p in t.params if p.grad is not None]
+        record["grads"] = _bytes(grads)
+        record["grad_dtypes"] = sorted({str(g.dtype).replace("torch.", "") for g in grads})
+        return real_step(*a, **kw)
+
+    opt.step = step
+    mode = MatmulDtypes()
+    try:
+        with mode:
+            t.train_step()
+    finally:
+        dist.reduce_scatter_single, dist.all_gather_single = rs, ag
+        for h in hooks:
+            h.remove()
+    params = [p for q in t.parts for p in q.parameters()]
+    moments = [v for st in inner.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"rank": dist.get_rank(), "dp_rank": t.dp_mesh.get_local_rank(), "dp": t.dp_mesh.size(),
+            "group": [t.meshes.world[d].get_local_rank() for d in ("pp", "tp")],
+            "matmul": sorted(mode.seen), "reduce": sorted(record["reduce"]), "gather": sorted(record["gather"]),
+            "after_forward": record["after_forward"], "has_output": model.output is not None,
+            "grads": record["grads"], "grad_dtypes": record["grad_dtypes"], "moments": _bytes(moments),
+            "at_rest": _bytes(params), "param_dtypes": sorted({str(_local(p).dtype).replace("torch.", "") for p in params}),
+            "full": sum(_tp_share(p, tp_mesh) for p in params), "largest": max(_tp_share(p, tp_mesh) for p in params)}
+
+
+def main() -> None:
+    out, layouts = sys.argv[1], sys.argv[2:]
+    de = detect()
+    init(de, "gloo", 120, 1)
+    results = {}
+    for spec in layouts:
+        with tempfile.TemporaryDirectory() as d:
+            run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
+            cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
+            mine = probe(Trainer(cfg, run, torch.device("cpu")))
+            gathered = [None] * de.world
+            dist.all_gather_object(gathered, mine)
+            results[spec] = gathered
+            dist.barrier()
+    if de.rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,158 @@
+"""The package's layers, read from the code's own import statements (every one, also those inside
+functions): no import cycles; each tier imports only itself and the tiers below it; the login-node
+tier and the foundation never import torch. docs/design.md describes the tiers."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "hpctrain"
+
+# Module (or package prefix) -> tier. The first matching prefix wins.
+TIERS = [
+    # the foundation, torch-free: the schema, composing, the engine spec, arithmetic, the run
+    # directory, fault injection, dataset formats
+    ("hpctrain.config", "foundation"), ("hpctrain.compose", "foundation"), ("hpctrain.spec", "foundation"),
+    ("hpctrain.flops", "foundation"), ("hpctrain.rundir", "foundation"), ("hpctrain.disk", "foundation"),
+    ("hpctrain.faults", "foundation"), ("hpctrain.data", "foundation"),
+    # the login node: compose -> check -> plan -> launch
+    ("hpctrain.__main__", "login"), ("hpctrain.plan", "login"), ("hpctrain.launch", "login"),
+    # every rank
+    ("hpctrain.run", "runtime"), ("hpctrain.train", "runtime"), ("hpctrain.dist", "runtime"),
+    ("hpctrain.parallel", "runtime"), ("hpctrain.models", "runtime"), ("hpctrain.checkpoint", "runtime"),
+    ("hpctrain.offload", "runtime"),
+    # tools on top of both
+    ("hpctrain.bench", "tools"),
+]
+ALLOWED = {"foundation": {"foundation"}, "login": {"foundation", "login"},
+           "runtime": {"foundation", "runtime"}, "tools": {"foundation", "login", "runtime", "tools"}}
+TORCH_FREE = ("foundation", "login")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def tier(module: str) -> str | None:
+    for prefix, t in TIERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return t
+    return None
+
+
+def imports(path: Path) -> set[str]:
+    """Every module an import statement in `path` names (absolute names)."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from hpctrain.offload import adam_cpp` names the module hpctrain.offload.adam_cpp;
+            # `from hpctrain.spec import Layout` names hpctrain.spec.
+            subs = {f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")}
+            out |= subs if len(subs) == len(node.names) else subs | {base}
+    return out
+
+
+def _is_module(name: str) -> bool:
+    path = PKG.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def graph() -> dict[str, set[str]]:
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    out = {}
+    for name, path in mods.items():
+        out[name] = {m for m in imports(path) if m in mods and m != name}
+    return out
+
+
+def test_every_module_has_a_tier():
+    untiered = [m for m in graph() if m != "hpctrain" and tier(m) is None]
+    assert not untiered, f"modules outside every tier (add them to TIERS and docs/design.md): {untiered}"
+
+
+def test_no_import_cycles():
+    g = graph()
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_tiers_import_only_downwards():
+    bad = []
+    for mod, deps in graph().items():
+        t = tier(mod)
+        if t is None:
+            continue
+        for d in deps:
+            td = tier(d)
+            if td is not None and td not in ALLOWED[t]:
+                bad.append(f"{mod} ({t}) imports {d} ({td})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+@pytest.mark.parametrize("t", TORCH_FREE)
+def test_login_tier_and_foundation_never_import_torch(t):
+    bad = []
+    for path in PKG.rglob("*.py"):
+        mod = module_name(path)
+        if tier(mod) == t:
+            bad += [f"{mod} imports {m}" for m in imports(path) if m.split(".")[0] == "torch"]
+    assert not bad, bad
+
+
+def test_the_rules_can_fail(tmp_path, monkeypatch):
+    """The checks above see a violation when there is one: a cycle and an upward import."""
+    fake = tmp_path / "hpctrain"
+    (fake / "plan").mkdir(parents=True)
+    (fake / "train").mkdir()
+    for d in (fake, fake / "plan", fake / "train"):
+        (d / "__init__.py").write_text("")
+    (fake / "spec.py").write_text("from hpctrain.plan import a\n")
+    (fake / "plan" / "a.py").write_text("import torch\nfrom hpctrain import spec\nfrom hpctrain.train import b\n")
+    (fake / "train" / "b.py").write_text("def f():\n    from hpctrain.plan.a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    with pytest.raises(AssertionError, match="import cycles"):
+        test_no_import_cycles()
+    with pytest.raises(AssertionError, match=r"hpctrain.plan.a \(login\) imports hpctrain.train.b \(runtime\)"):
+        test_tiers_import_only_downwards()
+    with pytest.raises(AssertionError, match="hpctrain.plan.a imports torch"):
+        test_login_tier_and_foundation_never_import_torch("login")
