@@ -1,4 +1,47 @@
+"""Shared fixtures. `slurm`: the single-machine Slurm of slurm/start.sh, brought up by the suite itself
+where it can be (root on Debian), so `pytest` alone runs every test; elsewhere the Slurm tests skip
+(under CI=true they fail instead: CI must run them)."""
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+REPO = Path(__file__).resolve().parent.parent
+NODES = 2  # emulated nodes the Slurm tests need
+
+
+def slurm_problem(nodes: int = NODES) -> str | None:
+    """Why the local Slurm cannot run the tests, or None."""
+    if not shutil.which("sinfo") or not shutil.which("sbatch"):
+        return "no Slurm client on PATH"
+    try:
+        p = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 15 s"
+    usable = sum(int(line.split()[0]) for line in p.stdout.splitlines()
+                 if line.split() and line.split()[1] in ("idle", "mix", "alloc", "comp"))
+    if p.returncode != 0 or usable < nodes:
+        return f"no local Slurm with {nodes} usable nodes in partition debug: {p.stdout.strip()} {p.stderr.strip()}"
+    return None
+
+
+def _can_start() -> bool:
+    return os.geteuid() == 0 and Path("/etc/debian_version").exists() and shutil.which("apt-get") is not None
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    why = slurm_problem()
+    if why and _can_start():
+        proc = subprocess.run(["bash", str(REPO / "slurm" / "start.sh"), str(NODES)], capture_output=True,
+                              text=True, timeout=900)
+        why = slurm_problem() if proc.returncode == 0 else f"slurm/start.sh failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    if why:
+        from helpers import skip_or_fail
+
+        skip_or_fail(f"{why} (run `bash slurm/start.sh` as root on Debian)")

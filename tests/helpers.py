@@ -29,3 +29,15 @@ def skip_or_fail(why: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI must run the Slurm tests: {why}")
     pytest.skip(why)
+
+
+def wait_until(predicate, what: str, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Poll until `predicate()` is true. The bound only keeps a broken run from hanging the suite:
+    it fails with "never happened", never as a claim about speed (speed is measured in benchmarks/)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: never happened (gave up after {timeout_s:.0f} s)")
+        time.sleep(poll_s)

@@ -7,7 +7,6 @@ then the report writes the table, one plot per operation and the conf/cluster sn
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -15,23 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import skip_or_fail
 import yaml
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def slurm_up():
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
-        skip_or_fail("no Slurm client on PATH (slurm/start.sh installs and starts the local cluster)")
-    p = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
-    usable = sum(int(line.split()[0]) for line in p.stdout.splitlines()
-                 if line.split() and line.split()[1] in ("idle", "mix", "alloc", "comp"))
-    if p.returncode != 0 or usable < 2:
-        skip_or_fail(f"the local Slurm is not up with 2 nodes (run `bash slurm/start.sh`): {p.stdout}{p.stderr}")
 
 
 def _sacct_states(array_id: str, n: int, timeout_s: float = 30) -> list[str]:
@@ -48,7 +35,7 @@ def _sacct_states(array_id: str, n: int, timeout_s: float = 30) -> list[str]:
     return states
 
 
-def test_local_gloo_sweep_as_one_array(slurm_up, tmp_path):
+def test_local_gloo_sweep_as_one_array(slurm, tmp_path):
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "hpctrain.bench.sweep", "local_gloo", "--out", str(out), "--wait",
                         "--report", "bench.max_bytes=256K", "bench.iters=3", "bench.repeats=2", "time_min=5"],

@@ -1,10 +1,8 @@
 """Damaged checkpoints, full disks and retention, in this process on a world of one rank (fast)."""
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import shutil
 import subprocess
 from pathlib import Path
 

@@ -217,3 +217,21 @@ def test_cli_cfg_prints_yaml():
 def test_cli_help():
     proc = cli("--help")
     assert proc.returncode == 0 and "usage: python -m hpctrain" in proc.stdout
+
+
+@pytest.mark.parametrize("key,bad,allowed", [
+    ("train.precision", "fp16", "fp32, bf16"),
+    ("parallel.pp_schedule", "1F1B", "gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev"),
+    ("parallel.ac", "some", "none, full, selective"),
+    ("offload.target", "disk", "none, cpu, nvme"),
+    ("launcher.name", "print", "local, slurm, sbatch"),
+    ("cluster.device", "gpu", "cpu, cuda"),
+])
+def test_schema_refuses_values_outside_a_choice(key, bad, allowed):
+    """Composing alone (no checks) refuses them, with the allowed values and the nearest one."""
+    with pytest.raises(ConfigError) as info:
+        compose([TINY, f"{key}={bad}"])
+    assert_mentions(str(info.value), f"{key}={bad} is not one of {allowed}", "Fix:")
+    assert str(info.value).count("\n") == 0  # one line, no Hydra or OmegaConf trace
+    if bad == "1F1B":
+        assert "Fix: parallel.pp_schedule=1f1b" in str(info.value)

@@ -6,10 +6,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from hpctrain.launch.local import launch, rank_env, signal_name
+
+from helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_SLEEP = 60  # what a rank left running would keep the call alive for
@@ -119,10 +120,9 @@ def test_signal_to_launcher_reaches_every_rank(tmp_path):
                 f"sys.exit(launch({str(tmp_path / 'run')!r}, 2, cmd=[sys.executable, '-c', {rank_script!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO)
     try:
-        deadline = time.monotonic() + 20
-        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and proc.poll() is None, "ranks did not start"
-            time.sleep(0.05)
+        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)) or proc.poll() is not None,
+                   "both ranks ready", timeout_s=60)
+        assert proc.poll() is None, "the launcher ended before its ranks were ready"
         os.kill(proc.pid, signal.SIGUSR2)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -7,8 +7,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from hpctrain.compose import compose
 from hpctrain.train.metrics import read_metrics
 from hpctrain.rundir import prepare_run_dir

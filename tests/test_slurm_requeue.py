@@ -13,7 +13,7 @@ import pytest
 from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
-from test_slurm_submit import slurm, wait_for  # noqa: F401  (fixture)
+from test_slurm_submit import wait_for
 
 # 2 nodes x 2 tasks on cluster=local; the same 4-rank layout runs locally as the reference.
 BASE = ["+experiment=tiny", "train.micro_batch=4", "optim.warmup_steps=5"]

@@ -11,7 +11,6 @@ import json
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import open_dict
 
-from helpers import skip_or_fail, run_cli
+from helpers import run_cli
 from hpctrain.plan.check import problems
 from hpctrain.compose import compose
 from hpctrain.launch.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
@@ -128,10 +127,12 @@ def test_partition_check_skipped_without_a_working_sinfo(monkeypatch, tmp_path):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert cluster_check.partition_facts() is None
-    fake.write_text("#!/bin/sh\nexec sleep 5\n")
-    t0 = time.monotonic()
+    # A hung sinfo: given up on, and killed (not left behind), within the timeout.
+    pid_file = tmp_path / "sinfo.pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
     assert cluster_check.partition_facts(timeout_s=0.5) is None
-    assert time.monotonic() - t0 < 4
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
     fake.write_text("#!/bin/sh\nexit 1\n")
     cfg = local_cfg("cluster.partition=nope")  # not refused: nothing to ask
     assert not [p for p in problems(cfg) if "partition" in p]
@@ -172,25 +173,6 @@ def test_submitit_script_snapshot():
 
 
 # ---------------------------------------------------------------- the real local Slurm
-
-def slurm_up() -> str | None:
-    if shutil.which("sinfo") is None:
-        return "no sinfo on PATH"
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%P %D %a"], capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        return "sinfo did not answer in 15 s"
-    if proc.returncode != 0 or "debug" not in proc.stdout:
-        return f"no local Slurm with partition debug (run `bash slurm/start.sh`): {proc.stderr.strip()}"
-    return None
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    why = slurm_up()
-    if why:
-        skip_or_fail(why)
-
 
 def refused(*overrides: str) -> str:
     proc = run_cli(*TINY_LOCAL, *overrides, check=False, timeout=60)
@@ -288,13 +270,17 @@ def test_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
 def test_launcher_slurm_submits_through_submitit(slurm, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = run_cli(*TINY_LOCAL, "launcher=slurm", f"run.dir={run_dir}", timeout=120)
+    # Submitted on hold: the CLI can only have returned without waiting for the job.
+    proc = run_cli(*TINY_LOCAL, "launcher=slurm", f"run.dir={run_dir}", "+cluster.sbatch_extra.hold=true",
+                   timeout=120)
     m = re.search(r"submitted job (\d+)", proc.stdout)
     assert m, proc.stdout
     job = m.group(1)
     log = run_dir / "submitit" / f"{job}_0_log.out"
     assert f"tail -f {log}" in proc.stdout and f"run dir: {run_dir}" in proc.stdout
-    assert time.monotonic() - t0 < 60  # it did not wait for the job
+    q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True, timeout=30)
+    assert q.stdout.split() == ["PENDING", "JobHeldUser"], q.stdout
+    subprocess.run(["scontrol", "release", job], check=True, timeout=30)
     state = wait_for(job)
     texts = [p.read_text(errors="replace") for p in sorted((run_dir / "submitit").glob(f"{job}_*_log.out"))]
     assert state == "COMPLETED", f"job {job} ended {state}\n{''.join(t[-2000:] for t in texts)}"

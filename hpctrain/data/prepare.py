@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 
 from hpctrain.data.shards import META
 
