@@ -237,7 +237,7 @@ EOF
 munge_ok() { munge -n </dev/null | unmunge >/dev/null; }
 if alive munged munged; then :
 elif munge_ok 2>/dev/null; then
-  # A munged started by someone else (e.g. by hand per DESIGN.md) serves the
+  # A munged started by someone else (e.g. by hand) serves the
   # same key; use it but do not record it, so stop.sh leaves it alone.
   say "using a munged not started by start.sh"
   rm -f "$S/pids/munged.pid"

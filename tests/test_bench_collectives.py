@@ -1,7 +1,7 @@
 """Collective benchmark, sweep validation and report (no Slurm needed; tests/test_bench_sweep.py has the
 end-to-end run on the local Slurm).
 
-- bandwidth arithmetic against the nccl-tests conventions (DESIGN.md section 5);
+- bandwidth arithmetic against the nccl-tests conventions (doc/PERFORMANCE.md of NVIDIA/nccl-tests);
 - the exact-check patterns in-process, and one 2-rank gloo run of every operation (+ one with a
   corrupted result, which must fail, not report a number);
 - refusal of bad sweep settings before anything is submitted; the ready conf/sweep/*.yaml validate;

@@ -1,6 +1,6 @@
 """The planner (hpctrain.plan): memory, step time and layout search by arithmetic, no torch.
 
-Anchors from DESIGN.md section 5: 16 bytes per parameter for mixed-precision Adam, Megatron-LM's
+Anchors (docs/measurements.md): 16 bytes per parameter for mixed-precision Adam, Megatron-LM's
 H100 table (the calibration set: every row within 10% with the one conf/cluster/h100.yaml).
 Run `python -m pytest -q -s tests/test_plan.py` to see the calibration table and the 70B plan.
 """
@@ -230,7 +230,7 @@ def test_infeasible_request_says_why():
 
 def test_calibration_against_megatron_h100(h100):
     rows = calibration(h100)
-    print("\nMegatron-LM H100 table, TFLOP/s per GPU (DESIGN.md section 5):\n" + calibration_table(rows))
+    print("\nMegatron-LM H100 table, TFLOP/s per GPU (Megatron-LM README):\n" + calibration_table(rows))
     assert len(rows) == len(MEGATRON_H100) == 9
     off = [r["model"] for r in rows if abs(r["error"]) > 0.10]
     assert not off, "outside 10%: " + ", ".join(off) + "\n" + calibration_table(rows)

@@ -162,7 +162,8 @@ def save_memory_png(plans: list, path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Calibration: Megatron-LM README, H100, vocab 131072, seq 4096, DP 48 (DESIGN.md section 5).
+# Calibration: Megatron-LM README (github.com/NVIDIA/Megatron-LM, "Performance Benchmarking"), H100,
+# vocab 131072, seq 4096, DP 48 (docs/measurements.md).
 
 MEGATRON_H100 = [  # model, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU
     ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
