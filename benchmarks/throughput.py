@@ -4,7 +4,8 @@ on the same model and data, measured in the same run.
     python benchmarks/throughput.py [--steps 20] [--skip 4] [--out outputs/bench/throughput]
 
 Both loops live in the same 2 ranks and take turns step by step (hpctrain DDP, plain DDP,
-hpctrain FSDP2, ...), so a shared, noisy machine slows them alike and the ratio holds. hpctrain's
+hpctrain FSDP2, in an order that rotates every step), so a shared, noisy machine slows them alike
+and the ratio holds. hpctrain's
 step is the whole per-step work of Trainer.fit: the training step, the loss read-back, the
 collective preemption check and a metrics.jsonl record. Prints a table and the median ratio of
 adjacent steps; writes results.json and a PNG.
@@ -68,10 +69,11 @@ def worker(out: Path, steps: int) -> None:
         contenders[f"hpctrain {parallel}"] = hp_step
     plain = PlainDDP(**SHAPE)
     contenders["plain ddp"] = plain.step
-    order = ["hpctrain ddp", "plain ddp", "hpctrain fsdp"]
-    times = {k: [] for k in order}
+    names = ["hpctrain ddp", "plain ddp", "hpctrain fsdp"]
+    times = {k: [] for k in names}
     for i in range(steps):
-        for k in order:
+        # The order rotates every step: none always runs first (after the barrier) or last.
+        for k in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
             contenders[k](i)

@@ -32,9 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
 from hpctrain.checkpoint import store
+from hpctrain.checkpoint.planner import ReusingSavePlanner
 from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
@@ -102,6 +101,9 @@ class CheckpointManager:
         self.saves: list[dict] = []  # timings, for benchmarks and logs
         self._purge: Optional[threading.Thread] = None
         self._saved_state: Optional[tuple] = None  # (key, DCP state dict) of the last save
+        self._planner: Optional[ReusingSavePlanner] = None
+        self._pool = None
+        self._checked: set = set()  # plain state objects whose state was found tensor-free
 
     # ---------------------------------------------------------------- policy
 
@@ -124,10 +126,11 @@ class CheckpointManager:
         t0 = time.perf_counter()
         tmp = store.tmp_dir(self.root, step, self._start(step))
         tmp.mkdir(parents=True, exist_ok=True)  # every rank: the nonce makes the name fresh
-        plain = self._write_plain(tmp)
+        plain, per_rank = self._write_plain(tmp)
         info = {"step": step, "world_size": self.world, "time": time.time(), **plain, **self.meta,
                 "torch": torch.__version__}
-        writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads)), step, self.rank)
+        writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads), pool=self._io_pool(),
+                                       also_sync=per_rank), step, self.rank)
         if self._pg is None:
             # DCP's collectives from its writer thread, interleaved with FSDP's on the default group,
             # abort the process: they get a gloo group of their own (gloo also carries host tensors).
@@ -136,10 +139,9 @@ class CheckpointManager:
         # A blocking save waits for the write right away, so it can write the live tensors; an async
         # one copies them first into host buffers that the next step may not touch.
         stager = InPlaceStager() if blocking else self._stager
-        # The plan is the same at every save of a run: cached, ranks skip sending it to the coordinator.
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        state = self._tensor_state()
         with _gc_paused():
-            future = dcp.async_save(self._tensor_state(), storage_writer=writer, planner=planner,
+            future = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                     process_group=self._pg, async_stager=stager)
         self.pending = Pending(future, tmp, step, info, t0, blocking)
         if blocking:
@@ -147,22 +149,26 @@ class CheckpointManager:
         else:
             self.saves.append({"step": step, "blocked_s": time.perf_counter() - t0, "async": True})
 
-    def _write_plain(self, tmp: Path) -> dict:
-        """Per-rank JSON into the checkpoint now; what rank 0 writes into hpctrain.json at commit."""
-        shared = {}
+    def _write_plain(self, tmp: Path) -> tuple[dict, list]:
+        """Per-rank JSON into the checkpoint now (fsync'd by the writer thread, off the loop's path);
+        returns those files and what rank 0 writes into hpctrain.json at commit."""
+        shared, per_rank = {}, []
         for name, obj in self.objects.items():
             if getattr(obj, "sharded", False):
                 continue
             state = obj.state_dict()
-            if _holds_tensors(state):
-                raise TypeError(f"checkpoint state {name!r} holds tensors: mark it sharded (see this module)")
+            if name not in self._checked:  # once per object: its kind of state does not change
+                if _holds_tensors(state):
+                    raise TypeError(f"checkpoint state {name!r} holds tensors: mark it sharded (see this module)")
+                self._checked.add(name)
             if getattr(obj, "per_rank", False):
                 path = tmp / name / f"rank-{self.rank:05d}.json"
                 path.parent.mkdir(exist_ok=True)
-                store.write_json_durable(path, state)
+                path.write_text(json.dumps(state))  # made durable by the writer, with the tensors
+                per_rank.append(path)
             else:
                 shared[name] = state
-        return shared
+        return shared, per_rank
 
     def _tensor_objects(self) -> dict:
         return {n: o for n, o in self.objects.items() if getattr(o, "sharded", False)}
@@ -176,7 +182,16 @@ class CheckpointManager:
             state = {n: o.state_dict() for n, o in objs.items()}
             key = tuple(o.key() for o in objs.values())  # building may create state (the optimizer's)
             self._saved_state = (key, state)  # holding the state keeps the ids unique
+            self._planner = ReusingSavePlanner()  # plans this state dict's writes once
         return self._saved_state[1]
+
+    def _io_pool(self):
+        """The writer threads, started once for the run."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max(1, self.cfg.threads), thread_name_prefix="checkpoint-write")
+        return self._pool
 
     def wait(self) -> None:
         """Finish the save in flight, if any (a new save and the end of a run both wait)."""
@@ -196,6 +211,9 @@ class CheckpointManager:
         """The end of a run: the last save is on disk and old checkpoints are deleted."""
         self.wait()
         self._join_purge()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def _join_purge(self) -> None:
         if self._purge is not None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -30,14 +32,27 @@ SUFFIX = ".raw"
 BUFFER = 16 << 20
 
 
+_thread = threading.local()
+
+
+def _bounce_buffer() -> torch.Tensor:
+    """This thread's page-aligned bounce buffer, allocated once: a run's writer threads live as long
+    as the run (the checkpoint manager's pool), and touching 16 MiB of fresh pages per thread at
+    every save is a fixed cost of several ms. Page-locked where an accelerator exists: device tensors
+    are copied into it directly."""
+    buf = getattr(_thread, "buffer", None)
+    if buf is None:
+        buf = _thread.buffer = aligned_empty(BUFFER, pin=torch.cuda.is_available())
+    return buf
+
+
 class _Region:
     """One writer thread's contiguous share of a rank's file, starting on an ALIGN boundary: bytes are
     appended through a page-aligned bounce buffer and leave in whole BUFFER-sized requests."""
 
     def __init__(self, fd: int, direct: bool, start: int):
         self.fd, self.direct = fd, direct
-        # Page-locked where an accelerator exists: device tensors are copied into it directly.
-        self.view = aligned_empty(BUFFER, pin=torch.cuda.is_available())
+        self.view = _bounce_buffer()
         self.fill = 0  # bytes waiting in the buffer
         self.flushed = start  # file offset where the buffer starts
         self.end = start  # file offset after the last byte appended
@@ -92,7 +107,15 @@ def _split(items: list, bins: int) -> list[list]:
 
 class RawWriter(FileSystemWriter):
     """One file per rank (`__<rank>_0.raw`, like the disk's own sequential-write test: one file,
-    several writers, one fsync), cut into `thread_count` aligned regions written in parallel."""
+    several writers, one fsync), cut into `thread_count` aligned regions written in parallel, by
+    `pool`'s threads where given (a run keeps one pool for all its saves). `also_sync`: small files
+    this rank wrote into the checkpoint beside DCP (per-rank JSON), made durable with its data, before
+    the save's closing collective, so that no rank's part is missing when the checkpoint is committed."""
+
+    def __init__(self, path, *args, pool: Optional[ThreadPoolExecutor] = None, also_sync: Sequence = (),
+                 **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.pool, self.also_sync = pool, list(also_sync)
 
     def write_data(self, plan, planner) -> torch.futures.Future:
         name = f"{plan.storage_data.prefix}0{SUFFIX}"
@@ -113,18 +136,32 @@ class RawWriter(FileSystemWriter):
                                                   storage_data=_StorageInfo(name, offset, data.numel())))
                 region.close()
 
-            with ThreadPoolExecutor(max(1, len(shares))) as pool:
+            pool = self.pool or ThreadPoolExecutor(max(1, len(shares)))
+            try:
                 for f in [pool.submit(write_share, n) for n in range(len(shares))]:
                     f.result()  # the first failure (ENOSPC, EIO) propagates to DCP, which fails the save
+            finally:
+                if pool is not self.pool:
+                    pool.shutdown()
             if shares:
                 os.ftruncate(fd, starts[-1] + sum(data.numel() for _, data in shares[-1]))  # the last pad
             if self.sync_files:
                 os.fsync(fd)
+                for extra in {*self.also_sync, *(os.path.dirname(p) for p in self.also_sync)}:
+                    _fsync(extra)
         finally:
             os.close(fd)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([r for share in results for r in share])
         return fut
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_raw(root: str, metadata, storage_data: dict, items: list, planner, threads: int = 4) -> None:

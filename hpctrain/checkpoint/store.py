@@ -33,7 +33,8 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (its entries: a rename or a new file in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -51,13 +52,13 @@ def write_json_durable(path: Path, data: dict) -> None:
 def commit(tmp: Path, root: Path, step: int, info: dict) -> Path:
     """Make a fully written checkpoint visible. Called by one rank after all ranks finished."""
     write_json_durable(tmp / INFO, info)
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     final = root / step_name(step)
     if final.exists():
         # The same step saved again (a preemption right after a periodic save): keep the new one.
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     return final
 
 
