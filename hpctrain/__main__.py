@@ -13,7 +13,7 @@ from hpctrain.compose import ConfigError, compose
 from hpctrain.plan.check import check, compose_checked
 from hpctrain.plan.login import choose_layout, plan_and_check, write_plan
 from hpctrain.plan.report import summary as plan_summary
-from hpctrain.rundir import clear_outcome, overwrite_problem, prepare_run_dir, read_outcome
+from hpctrain.rundir import overwrite_problem, prepare_run_dir
 from hpctrain.spec import engine_spec
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
@@ -78,15 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if cfg.launcher.name == "local":
-        from hpctrain.launch.local import launch
+        from hpctrain.launch.supervise import supervise
 
-        clear_outcome(run_dir)
-        rc = launch(run_dir, cfg.launcher.nproc)
-        outcome = read_outcome(run_dir)
-        if rc == 0 and outcome and outcome.get("status") == "preempted":
-            print(f"hpctrain: stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
-                  "run the same command again to resume", file=sys.stderr)
-        return rc
+        return supervise(run_dir)
     if cfg.launcher.name == "sbatch":
         import shlex
 

@@ -157,11 +157,27 @@ class OffloadConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The pre-flight check every start runs on every node (hpctrain.dist.health)."""
+    enabled: bool = True
+    slowdown: float = 2.0  # a node whose compute kernel is this many times slower than the median is left out
+
+
+@dataclass
 class LauncherConfig:
     name: LauncherName = LauncherName("local")
     nproc: int = 2  # ranks the local launcher starts
     backend: Backend = Backend("auto")
     timeout_s: int = 300  # collective timeout
+    # Unplanned failures (hpctrain.launch.supervise): when a rank crashes, hangs or a node is lost,
+    # every rank stops and the run starts again from the newest complete checkpoint, at most this
+    # many times (a failure that repeats itself exactly stops at once).
+    max_restarts: int = 3
+    hang_timeout_s: float = 0.0  # no progress for this long is a hang; 0 = max(60 s, 10x the median step)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    min_nodes: int = 1  # after losing nodes, go on with at least this many; with fewer, requeue without them
+    straggler_ratio: float = 1.5  # a rank this many times slower than the median rank, ...
+    straggler_steps: int = 5  # ... for this many logged steps in a row, is named in a warning
 
 
 @dataclass

@@ -5,17 +5,20 @@ torchrun, mpiexec) only decides how many of us there are and where rank 0 listen
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
+from hpctrain import faults
 from hpctrain.compose import load
 from hpctrain.dist import nccl
 from hpctrain.dist.bootstrap import BootstrapError, detect, init
-from hpctrain.train.requeue import requeue
+from hpctrain.rundir import attempt_dir
 from hpctrain.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
 
@@ -46,30 +49,67 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
+    from hpctrain.dist import health
     from hpctrain.train.loop import Trainer
+    from hpctrain.train.watchdog import Watchdog
 
+    adir = attempt_dir(run_dir, faults.attempt())
+    adir.mkdir(parents=True, exist_ok=True)
+    watchdog = None
     try:
         backend = backend_for(cfg.launcher.backend, spec.device, torch.cuda.is_available())
         nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank)
         device = init(de, backend, cfg.launcher.timeout_s, cfg.train.threads)
-        log.info("rank %d of %d on %s (launcher %s, backend %s, device %s)", de.rank, de.world,
-                 socket.gethostname(), de.launcher, backend, device)
-        outcome = Trainer(cfg, str(run_dir), device, spec).fit(preemption)
+        log.info("rank %d of %d on %s (launcher %s, backend %s, device %s, attempt %d)", de.rank, de.world,
+                 socket.gethostname(), de.launcher, backend, device, faults.attempt())
+        where_ranks_run(adir)
+        watchdog = Watchdog(adir, de.rank, cfg.launcher.hang_timeout_s, cfg.launcher.timeout_s,
+                            groups=lambda: {"world": dist.group.WORLD}).start()
+        if cfg.launcher.health.enabled:
+            watchdog.beat(0, "health")
+            if not health.check(adir, device, cfg.launcher.health.slowdown).ok:
+                return health.EXIT_UNHEALTHY
+        outcome = Trainer(cfg, str(run_dir), device, spec).fit(preemption, watchdog)
         if de.rank == 0:
             log.info("%s at step %d", outcome.status, outcome.step)
-            if outcome.status == "preempted" and de.launcher == "slurm":
-                # Every rank's shards are committed (the save ends in a barrier): safe to requeue.
-                requeue(os.environ, cfg.cluster.max_requeues)
     except (BootstrapError, NoUsableCheckpoint, SaveFailed) as e:
         log.error("%s", e)
+        report_error(adir, de.rank, e)
         return 2
-    except BaseException:  # DCP raises BaseException subclasses; log them all, then fail the rank
+    except BaseException as e:  # DCP raises BaseException subclasses; log them all, then fail the rank
         traceback.print_exc()
+        report_error(adir, de.rank, e)
         return 1
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def where_ranks_run(adir: Path) -> None:
+    """<attempt dir>/ranks.json: the host and process id of every rank (the supervisor names nodes
+    with it; a person, or a test, finds a rank's process)."""
+    import torch.distributed as dist
+
+    where = [None] * dist.get_world_size()
+    dist.all_gather_object(where, (socket.gethostname(), os.getpid()))
+    if dist.get_rank() == 0:
+        (adir / "ranks.json").write_text(json.dumps({"hosts": {str(r): h for r, (h, _) in enumerate(where)},
+                                                     "pids": {str(r): p for r, (_, p) in enumerate(where)}}))
+
+
+def report_error(adir: Path, rank: int, error: BaseException) -> None:
+    """<attempt dir>/error-rank-R.json: what ended this rank, for the supervisor."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    report = {"rank": rank, "host": socket.gethostname(), "time": time.time(),
+              "error": f"{type(error).__name__}: {first}"[:500],
+              "traceback": traceback.format_exception(error)[-6:]}
+    try:
+        (adir / f"error-rank-{rank}.json").write_text(json.dumps(report))
+    except OSError:
+        pass
 
 
 def exit_now(code: int) -> None:

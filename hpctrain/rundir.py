@@ -5,6 +5,10 @@
 <run.dir>/logs/         per-rank logs
 <run.dir>/checkpoints/  step-NNNNNNNN/ sharded checkpoints
 <run.dir>/outcome.json  how the last start of the run ended: completed | preempted (resume by rerunning)
+<run.dir>/attempts/N/   what the ranks of the run's N-th start said about themselves: where each rank
+                        ran, health check results, hang reports and stacks, errors
+<run.dir>/attempts.jsonl      one record per start of the ranks (supervisor)
+<run.dir>/interruptions.jsonl one record per interruption: cause, ranks, nodes, work lost, recovery
 
 A checkpoint is complete or absent: `checkpoints/step-NNNNNNNN/` with DCP's `.metadata` and our
 `hpctrain.json` (hpctrain.checkpoint.store writes it that way). Discovery is here, without torch,
@@ -103,3 +107,36 @@ def overwrite_problem(run_dir: str | os.PathLike, resume: bool) -> str | None:
                 "checkpoint.resume=false: refusing to overwrite them. Fix: choose another run.dir, "
                 "or drop checkpoint.resume=false to continue that run")
     return None
+
+
+# ----------------------------------------------------------------------------- restarts
+
+ATTEMPTS = "attempts"
+INTERRUPTIONS = "interruptions.jsonl"
+
+
+def attempt_dir(run_dir: str | os.PathLike, attempt: int) -> Path:
+    return Path(run_dir) / ATTEMPTS / str(attempt)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut short by a crash mid-write
+    return out
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    write_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in records))

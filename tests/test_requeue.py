@@ -1,4 +1,4 @@
-from hpctrain.train.requeue import job_to_requeue, requeue_decision
+from hpctrain.launch.requeue import job_to_requeue, requeue_decision
 
 
 def test_array_task_is_requeued_alone():

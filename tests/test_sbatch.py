@@ -135,8 +135,8 @@ def test_hostile_values_stay_literal():
     assert opts["job-name"] == HOSTILE
     # Slurm's filename pattern: %% is a literal %, %j the job id.
     assert opts["output"] == "/scratch/runs/it's $(pwd) 100%%/logs/slurm-%j.out"
-    srun = [line for line in text.splitlines() if line.startswith("srun ")][0]
-    assert shlex.split(srun)[-1] == "/scratch/runs/it's $(pwd) 100%"
+    supervisor = [line for line in text.splitlines() if "hpctrain.launch.supervise" in line][0]
+    assert shlex.split(supervisor)[-1] == "/scratch/runs/it's $(pwd) 100%"
     # The name reaches the body nowhere but in a comment.
     body = text.split("set -euo pipefail", 1)[1]
     assert HOSTILE not in body
@@ -244,7 +244,7 @@ def test_dry_run_prints_the_script_without_torch(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"--- {run_dir}/job.sbatch (not written) ---" in proc.stdout
     assert "#SBATCH --nodes=8" in proc.stdout and "#SBATCH --gpus-per-node=8" in proc.stdout
-    assert f"-m hpctrain.run {run_dir}" in proc.stdout
+    assert f"-m hpctrain.launch.supervise {run_dir}" in proc.stdout
     assert "dry run: nothing started" in proc.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == ["plan.json"]
     print(f"dry run: {float(proc.stdout.split('DRY_RUN_OK ')[1]):.2f} s")  # fast because no torch, as asserted

@@ -13,7 +13,7 @@ import pytest
 from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
-from test_slurm_submit import wait_for
+from test_slurm_submit import rank_logs, wait_for
 
 # 2 nodes x 2 tasks on cluster=local; the same 4-rank layout runs locally as the reference.
 BASE = ["+experiment=tiny", "train.micro_batch=4", "optim.warmup_steps=5"]
@@ -46,8 +46,9 @@ def restarts(job: str) -> int:
 
 
 def slurm_log(run_dir: Path, job: str) -> str:
+    """The supervisor's log (the batch script's), then every rank's."""
     p = run_dir / "logs" / f"slurm-{job}.out"
-    return p.read_text(errors="replace") if p.exists() else ""
+    return (p.read_text(errors="replace") if p.exists() else "") + "\n" + rank_logs(run_dir)
 
 
 @pytest.mark.slurm

@@ -63,13 +63,16 @@ def _slurm(env: Mapping[str, str]) -> DistEnv:
     local_world = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or "1")
     return DistEnv("slurm", int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), local_world,
                    env.get("MASTER_ADDR") or hostlist.first(nodelist),
-                   int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))))
+                   int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"),
+                                                             int(env.get("HPCTRAIN_ATTEMPT", "0") or 0))))
 
 
-def slurm_port(job_id: str) -> int:
-    """A port that differs between jobs sharing a node and stays fixed across a job's requeues. Below
-    Linux's ephemeral range (32768-60999 by default), where outgoing connections would take it first."""
-    return 16000 + zlib.crc32(job_id.encode()) % 16000
+def slurm_port(job_id: str, attempt: int = 0) -> int:
+    """A port that differs between jobs sharing a node and between the starts of the ranks within a
+    job (the last start's sockets may linger), the same for every rank of one start. Below Linux's
+    ephemeral range (32768-60999 by default), where outgoing connections would take it first."""
+    key = job_id if attempt == 0 else f"{job_id}.{attempt}"
+    return 16000 + zlib.crc32(key.encode()) % 16000
 
 
 def _first_int(tasks_per_node: str) -> int:

@@ -81,10 +81,13 @@ def submitit_parameters(options: dict[str, Any], own_srun: bool = False) -> dict
     extra: dict[str, Any] = {}
     shape = ("nodes", "ntasks-per-node") if own_srun else ()
     for name, value in options.items():
+        # Keys as submitit spells them (its own parameters with underscores, the rest as sbatch
+        # does), so that an additional parameter replaces, rather than repeats, one it writes itself.
+        key = name.replace("-", "_") if name in SUBMITIT_NATIVE else name
         if name in SUBMITIT_NATIVE and name not in shape:
-            params[name.replace("-", "_")] = minutes(value) if name == "time" else submitit_value(value)
+            params[key] = minutes(value) if name == "time" else submitit_value(value)
         else:
-            extra[name] = value if value is True else submitit_value(value)
+            extra[key] = value if value is True else submitit_value(value)
     if own_srun:
         params.update(nodes=1, ntasks_per_node=1, use_srun=False)
     params["additional_parameters"] = extra

@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
@@ -47,9 +48,21 @@ def tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
-           grace_s: float = 10.0, settle_s: float = 2.0) -> int:
-    """Run `cmd` (default: the hpctrain rank entry) as nproc ranks; returns the job's exit code."""
+@dataclass
+class Ended:
+    """How a set of local ranks ended."""
+    rc: int  # 0, or the first failed rank's exit code (128 + signal for a signal)
+    failed: dict = field(default_factory=dict)  # rank -> "exit code N" | "killed by SIGNAME"
+    first: Optional[int] = None  # the rank to blame
+    interrupted: bool = False  # the launcher itself got SIGINT/SIGTERM (a person or scancel)
+
+
+def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
+              env: Optional[dict] = None, grace_s: float = 10.0, settle_s: float = 5.0,
+              poll: Optional[Callable[[], None]] = None) -> Ended:
+    """Run `cmd` (default: the hpctrain rank entry) as nproc ranks with `env` added to theirs; when one
+    fails, give the others `settle_s` to fail by themselves (and write what they know), then stop them.
+    `poll` is called about every 0.1 s while they run."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -63,16 +76,20 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
             out = open(logs / f"rank-{r}.log", "ab")
             files.append(out)
         # A session of their own: a terminal's Ctrl-C reaches the launcher once, which passes it on.
-        procs.append(subprocess.Popen(cmd, env=rank_env(r, nproc, port), stdout=out,
+        procs.append(subprocess.Popen(cmd, env={**rank_env(r, nproc, port), **(env or {})}, stdout=out,
                                       stderr=subprocess.STDOUT if out else None, start_new_session=True))
+    interrupted = []
 
     def forward(signum, _frame):
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            interrupted.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     failed: tuple[int, int] | None = None
+    how: dict = {}  # ranks that ended by themselves with an error (not those stopped here)
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
@@ -80,25 +97,50 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
                 # moment, so that the report can name the rank that failed first, not an echo.
                 _settle(procs, settle_s)
                 failed = first_failure(procs)
+                how = _ended_badly(procs)
                 _stop(procs, grace_s)
                 break
+            if poll is not None:
+                poll()
             time.sleep(0.1)
         failed = failed or first_failure(procs)
+        how = how or _ended_badly(procs)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         for f in files:
             f.close()
     if failed is None:
-        return 0
+        return Ended(0, how, None, bool(interrupted))
     r, rc = failed
-    how = f"exit code {rc}" if rc > 0 else f"was killed by {signal_name(rc)}"
+    return Ended(rc if rc > 0 else 128 - rc, how, r, bool(interrupted))
+
+
+def _ended_badly(procs: list[subprocess.Popen]) -> dict:
+    bad = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)),
+                 key=lambda rb: (rb[1] > 0, rb[0]))  # signals first: the cause before its echoes
+    return {r: describe_exit(rc) for r, rc in bad}
+
+
+def describe_exit(rc: int) -> str:
+    return f"exit code {rc}" if rc > 0 else f"was killed by {signal_name(rc)}"
+
+
+def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
+           grace_s: float = 10.0, settle_s: float = 2.0) -> int:
+    """Run `cmd` (default: the hpctrain rank entry) as nproc ranks once; returns the job's exit code
+    and says which rank failed first, with the tail of its log."""
+    ended = run_ranks(run_dir, nproc, cmd, grace_s=grace_s, settle_s=settle_s)
+    if ended.rc == 0:
+        return 0
+    r = ended.first
+    logs = Path(run_dir) / "logs"
     where = "above" if r == 0 else str(logs / f"rank-{r}.log")
-    msg = f"hpctrain: rank {r} failed ({how}); the other ranks were stopped. Its log: {where}"
+    msg = f"hpctrain: rank {r} failed ({ended.failed[r]}); the other ranks were stopped. Its log: {where}"
     if r > 0:
         msg += "\n--- last lines of rank %d ---\n%s" % (r, tail(logs / f"rank-{r}.log"))
     print(msg, file=sys.stderr)
-    return rc if rc > 0 else 128 - rc
+    return ended.rc
 
 
 def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:

@@ -2,10 +2,11 @@
 
 `sbatch_script(cfg, run_dir, python)` is pure (same input, same text; it reads no environment): the
 `#SBATCH` lines ask for what launcher=slurm would (nodes x tasks, `--signal=USR2@<lead>` to every
-task, `--requeue`, `--open-mode=append`, logs in <run_dir>/logs/slurm-<jobid>.out), the body runs
-cluster.setup as written, exports cluster.env and starts one `python -m hpctrain.run <run_dir>`
-per rank with srun. Preemption and requeue are handled inside the run (rank 0 requeues the job
-after the collective save), so the script has no logic of its own for them.
+task, `--requeue`, `--no-kill`, `--open-mode=append`, the supervisor's log in
+<run_dir>/logs/slurm-<jobid>.out), the body runs cluster.setup as written, exports cluster.env and
+starts the run's supervisor (`python -m hpctrain.launch.supervise <run_dir>`), which starts one rank
+per task with srun, restarts them after a failure and requeues the job after a preemption save
+(hpctrain.launch.supervise), so the script has no logic of its own for any of it.
 
 Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does (see
 hpctrain.launch.allocation.sbatch_line). A newline cannot be written in a `#SBATCH` line at all and
@@ -38,6 +39,7 @@ def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
     return allocation(cfg.cluster, cfg.run.name, more={
         "signal": f"USR2@{cfg.cluster.signal_lead_s}",  # no B:, so that every task gets it, not only the batch shell
         "requeue": True,
+        "no-kill": True,  # a node lost does not end the job: the supervisor goes on without it
         "open-mode": "append",  # a requeued job appends to the same log
         "output": log, "error": log})
 
@@ -98,12 +100,11 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
     env = exports(cfg, pythonpath)
     if env:
         lines += ["", "# environment: hpctrain's source, cluster.env", *env]
-    srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}",
-            python, "-m", "hpctrain.run", str(run_dir)]
+    supervisor = [python, "-u", "-m", "hpctrain.launch.supervise", str(run_dir)]
     lines += ["",
-              f"# {c.nodes} node(s) x {ranks_per_node(c)} task(s): one rank per task. srun of Slurm 22.05+",
-              "# does not inherit --cpus-per-task from the allocation, hence given again.",
-              " ".join(shlex.quote(a) for a in srun), ""]
+              f"# {c.nodes} node(s) x {ranks_per_node(c)} task(s), one rank per task, started by the supervisor",
+              "# with srun; after a failure it starts them again from the newest checkpoint.",
+              " ".join(shlex.quote(a) for a in supervisor), ""]
     return "\n".join(lines)
 
 

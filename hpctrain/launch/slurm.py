@@ -2,14 +2,15 @@
 
 `executor_parameters(cfg, ...)` is pure and maps conf/cluster/*.yaml onto SlurmExecutor's
 parameters: the same allocation launcher=sbatch writes (`hpctrain.launch.allocation`), USR2 to every
-task `signal_lead_s` before the limit, `--requeue`, `--open-mode=append`. Each task runs `run_task`,
-which is `hpctrain.run.main([run_dir])`: torch.distributed comes up from srun's variables in
-`hpctrain.dist.bootstrap` (not submitit's TorchDistributedEnvironment, which refuses variables that
-are already set). Preemption and requeue happen inside the run (rank 0 requeues after the
-collective save), so nothing here waits for or watches the job.
+task `signal_lead_s` before the limit, `--requeue`, `--no-kill`, `--open-mode=append`. The job runs
+`run_task` once, in its batch script: the run's supervisor (hpctrain.launch.supervise), which starts
+one rank per task with srun (torch.distributed comes up from srun's variables in
+hpctrain.dist.bootstrap, not submitit's TorchDistributedEnvironment, which refuses variables that
+are already set), restarts them after a failure and requeues the job after a preemption save. Nothing
+here waits for or watches the job.
 
-submitit writes its files to <run_dir>/submitit: the batch script, the pickled call, one log per
-task (`<jobid>_<task>_log.out`, stdout and stderr together) and one result per task.
+submitit writes its files to <run_dir>/submitit: the batch script, the pickled call, the
+supervisor's log (`<jobid>_0_log.out`) and its result; each rank logs to <run_dir>/logs/rank-N.log.
 """
 from __future__ import annotations
 
@@ -31,12 +32,11 @@ def executor_parameters(cfg: Any, pythonpath: Optional[str] = None) -> dict[str,
     """SlurmExecutor.update_parameters(**this) for the run; pure. The allocation is launcher=sbatch's
     (hpctrain.launch.allocation); submitit writes the USR2 signal itself from signal_delay_s."""
     c = cfg.cluster
-    options = allocation(c, cfg.run.name, more={"requeue": True, "open-mode": "append"})
-    p = submitit_parameters(options)
+    options = allocation(c, cfg.run.name, more={"requeue": True, "no-kill": True, "open-mode": "append"})
+    # One process in the batch script, the supervisor, which starts the ranks with srun itself.
+    p = submitit_parameters(options, own_srun=True)
     p.update(signal_delay_s=c.signal_lead_s,  # submitit writes --signal=USR2@<this>, no B:
-             stderr_to_stdout=True,  # one log per task
-             # srun of Slurm 22.05+ does not inherit --cpus-per-task; one failed rank ends the step.
-             srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={c.cpus_per_task}"])
+             stderr_to_stdout=True)
     setup = [str(s) for s in (c.setup or [])] + exports(cfg, pythonpath)
     if setup:
         p["setup"] = setup
@@ -44,14 +44,13 @@ def executor_parameters(cfg: Any, pythonpath: Optional[str] = None) -> dict[str,
 
 
 def run_task(run_dir: str) -> int:
-    """What every task of the job runs (submitit pickles a reference to this function). The rank
-    entry point is named, not imported here: the login node does not load the training runtime."""
-    import importlib
+    """What the job runs (submitit pickles a reference to this function): the run's supervisor."""
+    from hpctrain.launch.supervise import supervise
 
-    rc = importlib.import_module("hpctrain.run").main([run_dir])
+    rc = supervise(run_dir)
     if rc != 0:
-        raise RuntimeError(f"hpctrain.run {run_dir} exited with code {rc} on task "
-                           f"{os.environ.get('SLURM_PROCID', '?')}; see the log above")
+        raise RuntimeError(f"the supervisor of {run_dir} ended with code {rc}; see the log above and "
+                           f"{run_dir}/logs/rank-*.log")
     return rc
 
 
@@ -89,7 +88,7 @@ def submit(cfg: Any, run_dir: str | os.PathLike, python: Optional[str] = None,
     log = folder / f"{job.job_id}_0_log.out"
     print(f"submitted job {job.job_id} ({cfg.cluster.nodes} node(s) x {ranks_per_node(cfg.cluster)} task(s))\n"
           f"run dir: {run_dir}\n"
-          f"follow rank 0: tail -f {shlex.quote(str(log))}\n"
-          f"other ranks:   {shlex.quote(str(folder))}/{job.job_id}_<rank>_log.out\n"
+          f"supervisor:    tail -f {shlex.quote(str(log))}\n"
+          f"follow rank 0: tail -f {shlex.quote(str(run_dir / 'logs' / 'rank-0.log'))}\n"
           f"state:         squeue -j {job.job_id}; sacct -j {job.job_id}")
     return 0

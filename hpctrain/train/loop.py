@@ -23,11 +23,12 @@ from hpctrain.parallel import parallelize
 from hpctrain.parallel.state import ModelState, OptimizerState
 from hpctrain.rundir import write_atomic, write_outcome
 from hpctrain.spec import EngineSpec, engine_spec
-from hpctrain.faults import slow_step
+from hpctrain import faults
 from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
 from hpctrain.train.optim import build_optimizer
 from hpctrain.train.preempt import Preemption
 from hpctrain.train.state import Progress, Schedule
+from hpctrain.train.stragglers import Stragglers
 
 log = logging.getLogger("hpctrain")
 
@@ -90,6 +91,7 @@ class Trainer:
         }, total_steps=cfg.train.steps,
             meta={"layout": asdict(self.spec.layout), "config": OmegaConf.to_container(cfg, resolve=True)})
         self.resumed_from: int | None = None
+        self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)
 
     @property
     def step(self) -> int:
@@ -184,30 +186,44 @@ class Trainer:
 
     # ------------------------------------------------------------ the run
 
-    def fit(self, preemption: Preemption | None = None) -> Outcome:
+    def fit(self, preemption: Preemption | None = None, watchdog=None) -> Outcome:
+        """Train to train.steps (or until the ranks agree to stop), resuming first. `watchdog`
+        (hpctrain.train.watchdog) is told of every step and of the phases allowed to be slow."""
         cfg = self.cfg
+        beat = watchdog.beat if watchdog is not None else (lambda *a, **k: None)
+        beat(self.step, "load")
         self.resume(log.warning)
         logger = self._logger()
         preemption = preemption or Preemption().install()
         status, losses = "completed", []
+        first = True
         try:
             while self.step < cfg.train.steps:
+                beat(self.step, "start" if first else "step")  # the first step compiles and warms up
                 lr = self.scheduler.get_last_lr()[0]
                 t0 = time.perf_counter()
                 loss, norm = self.train_step()
-                slow_step()
                 loss_v, norm_v = loss.item(), float(norm)  # .item() waits for the step to finish
+                beat(self.step, "step")
+                faults.after_step(self.step, self.rank)
+                dt = time.perf_counter() - t0
+                if not first:
+                    beat(self.step, "step", dt)
+                first = False
                 losses.append(loss_v)
-                self._log(logger, loss_v, norm_v, lr, time.perf_counter() - t0)
+                self._log(logger, loss_v, norm_v, lr, dt)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
                     status = "preempted"
                     if logger:
                         logger.event(f"{preemption.requested_by or 'a signal to another rank'}: saving step "
                                      f"{self.step} on every rank, then stopping")
+                    beat(self.step, "save")
                     self.ckpt.save(self.step, blocking=True)
                     break
+                beat(self.step, "save")
                 self.ckpt.after_step(self.step)
             if status == "completed":
+                beat(self.step, "save")
                 self.ckpt.finish(self.step)
             self.ckpt.close()
         finally:
@@ -231,13 +247,20 @@ class Trainer:
         return logger
 
     def _log(self, logger, loss: float, norm: float, lr: float, dt: float) -> None:
-        if not logger or (self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps):
+        if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps:
+            return
+        spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
+        if not logger:
             return
         tps = self.cfg.train.global_batch * self.cfg.data.seq_len / dt
         peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
         logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
-                   tokens=self.progress.tokens_seen)
+                   tokens=self.progress.tokens_seen, **spread)
+        warning = self.stragglers.warning()
+        if warning:
+            log.warning("%s", warning)
+            logger.event(f"warning: {warning}")
 
     def _mem_bytes(self) -> int:
         if self.device.type == "cuda":

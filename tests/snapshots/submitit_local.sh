@@ -3,6 +3,7 @@
 # Parameters
 #SBATCH --cpus-per-task=1
 #SBATCH --job-name=tiny
+#SBATCH --no-kill
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=2
 #SBATCH --open-mode=append
@@ -20,4 +21,4 @@ export OMP_NUM_THREADS=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /runs/tiny/submitit/%j_%t_log.out --kill-on-bad-exit=1 --cpus-per-task=1 python -u -m submitit.core._submit /runs/tiny/submitit
+python -u -m submitit.core._submit /runs/tiny/submitit

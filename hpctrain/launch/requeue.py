@@ -1,4 +1,6 @@
-"""After a collective preemption save under Slurm, rank 0 puts the job back in the queue.
+"""Putting a Slurm job back in the queue: after a collective preemption save (the supervisor does it
+once every rank has saved and exited), or, with a node excluded, when too few nodes of the
+allocation are left to go on (hpctrain.launch.supervise).
 
 The requeued job runs the same batch script on the same run directory and resumes from the newest
 complete checkpoint by itself. `cluster.max_requeues` bounds the loop: a job that keeps getting
@@ -31,6 +33,18 @@ def requeue_decision(env: Mapping[str, str], max_requeues: int) -> tuple[str | N
         return None, (f"job {job} was already requeued {restarts} times (cluster.max_requeues={max_requeues}): "
                       "not requeueing again; resubmit to continue from the saved checkpoint")
     return job, f"requeueing job {job} (restart {restarts + 1} of at most {max_requeues})"
+
+
+def exclude_nodes(env: Mapping[str, str], nodes: list[str]) -> bool:
+    """Keep the job's next start off `nodes` (Slurm's ExcNodeList, as `sbatch --exclude` sets it)."""
+    job = job_to_requeue(env)
+    if job is None or not nodes:
+        return False
+    proc = subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        log.error("scontrol update ExcNodeList failed: %s", (proc.stderr or proc.stdout).strip())
+    return proc.returncode == 0
 
 
 def requeue(env: Mapping[str, str], max_requeues: int) -> bool:

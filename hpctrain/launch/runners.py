@@ -1,0 +1,133 @@
+"""How the supervisor starts every rank of one attempt and learns how they ended: on this machine
+(launcher=local), or as one srun step inside the job's allocation (launcher=slurm and sbatch)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from hpctrain.launch.failures import srun_failures
+from hpctrain.launch.local import Ended, run_ranks, tail
+from hpctrain.rundir import attempt_dir
+from hpctrain.spec import ranks_per_node
+
+Poll = Callable[[], None]
+
+
+class LocalRunner:
+    """All ranks on this machine: one node, nothing to leave out."""
+
+    def __init__(self, cfg, run_dir: Path):
+        self.run_dir, self.nproc = Path(run_dir), cfg.launcher.nproc
+
+    def nodes(self) -> list[str]:
+        return [socket.gethostname()]
+
+    def start(self, attempt: int, nodes: list[str], env: dict, poll: Poll) -> Ended:
+        return run_ranks(self.run_dir, self.nproc, env=env, poll=poll)
+
+    def probe(self, nodes: list[str]) -> list[str]:
+        return []
+
+    def log_tail(self, rank: int, lines: int = 20) -> tuple[str, str]:
+        if rank == 0:
+            return "above", ""
+        path = self.run_dir / "logs" / f"rank-{rank}.log"
+        return str(path), tail(path, lines)
+
+
+class SrunRunner:
+    """One srun step per attempt on the chosen nodes of the allocation, one task per rank, each
+    task's output in <run.dir>/logs/rank-N.log."""
+
+    def __init__(self, cfg, run_dir: Path, env=os.environ):
+        self.run_dir = Path(run_dir)
+        self.job = env["SLURM_JOB_ID"]
+        self.allocation = hostnames(env["SLURM_JOB_NODELIST"])
+        self.tpn, self.cpus = ranks_per_node(cfg.cluster), cfg.cluster.cpus_per_task
+        self.grace_s = 30.0  # after the first rank's own report, how long srun may take to end the step
+        self._proc: Optional[subprocess.Popen] = None
+
+    def nodes(self) -> list[str]:
+        return list(self.allocation)
+
+    def command(self, nodes: list[str]) -> list[str]:
+        return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tpn}",
+                f"--ntasks-per-node={self.tpn}", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
+                # srun of Slurm 22.05+ does not inherit --cpus-per-task from the allocation.
+                f"--cpus-per-task={self.cpus}", f"--output={self.run_dir}/logs/rank-%t.log", "--open-mode=append",
+                sys.executable, "-u", "-m", "hpctrain.run", str(self.run_dir)]
+
+    def start(self, attempt: int, nodes: list[str], env: dict, poll: Poll) -> Ended:
+        adir = attempt_dir(self.run_dir, attempt)
+        adir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        err_path = adir / "srun.log"
+        with open(err_path, "wb") as err:
+            self._proc = subprocess.Popen(self.command(nodes), env={**os.environ, **env}, stdout=err,
+                                          stderr=subprocess.STDOUT)
+            first_report = None
+            while self._proc.poll() is None:
+                poll()
+                if first_report is None and (any(adir.glob("hang-rank-*.json")) or any(adir.glob("error-rank-*.json"))):
+                    first_report = time.monotonic()
+                if first_report is not None and time.monotonic() - first_report > self.grace_s:
+                    # A rank failed, yet the step lives on: srun waits for a node that will not answer.
+                    self._cancel_step()
+                time.sleep(0.5)
+        rc = self._proc.returncode
+        self._proc = None
+        text = err_path.read_text(errors="replace")
+        failed = srun_failures(text)
+        first = next(iter(failed), None)
+        return Ended(0 if rc == 0 else (rc if rc > 0 else 128 - rc), failed, first)
+
+    def _cancel_step(self) -> None:
+        p = self._proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGINT)  # srun: twice within a second cancels the step
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+    def forward(self, signum: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signum)
+
+    def probe(self, nodes: list[str], timeout_s: float = 20.0) -> list[str]:
+        """Nodes that do not run a trivial step within `timeout_s` (their slurmd or the node is gone)."""
+        procs = {n: subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={n}", "--overlap",
+                                      "--cpus-per-task=1", "true"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL) for n in nodes}
+        deadline = time.monotonic() + timeout_s
+        lost = []
+        for n, p in procs.items():
+            try:
+                if p.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
+                    lost.append(n)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                lost.append(n)
+        return lost
+
+    def log_tail(self, rank: int, lines: int = 20) -> tuple[str, str]:
+        path = self.run_dir / "logs" / f"rank-{rank}.log"
+        return str(path), tail(path, lines)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Slurm's own expansion of a hostlist (`n[1-3]` -> n1, n2, n3)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
+    return out.stdout.split()

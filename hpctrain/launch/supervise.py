@@ -1,0 +1,229 @@
+"""`python -m hpctrain.launch.supervise <run_dir>`: start every rank of a run, and when any fails,
+start them all again from the newest complete checkpoint, inside the same allocation.
+
+It runs where the job's batch script runs (launcher=sbatch and slurm: the first node of the
+allocation; launcher=local: the login shell), as one process that imports no torch. Per start
+("attempt" N, counted over the whole run, requeues included):
+
+1. the ranks start (one srun step, or local processes) with HPCTRAIN_ATTEMPT=N; every rank runs the
+   health check, then trains, its watchdog failing it when the step makes no progress;
+2. all ended well: done; all saved after a preemption signal: requeue the job (Slurm) and stop;
+3. otherwise the cause is worked out (hpctrain.launch.failures) from what the ranks left in
+   <run.dir>/attempts/N/ and from which nodes still answer, and recorded in interruptions.jsonl;
+   unhealthy and lost nodes are left out, and the run continues on the others with a layout the
+   planner accepts for the smaller world (hpctrain.launch.elastic), or, below launcher.min_nodes, the
+   job is requeued without them (Slurm's ExcNodeList);
+4. at most launcher.max_restarts times; a failure identical to the previous one (same cause, ranks,
+   nodes and message: a bug or a bad input, not bad luck) stops the run at once, with the failing
+   rank, its node and the tail of its log.
+
+Why our own and not torchrun's elastic agent: the agent restarts workers on a failure, but it knows
+nothing of hangs, cannot leave out a node or re-plan the layout for a smaller world, and loses its
+rendezvous when the node hosting it dies; Slurm can run a new step on the remaining nodes of an
+allocation kept alive with --no-kill, and requeue a job without a node. Both are used here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hpctrain.compose import ConfigError, load
+from hpctrain.launch import requeue as slurm_requeue
+from hpctrain.launch.elastic import shrink_to_fit
+from hpctrain.launch.failures import Failure, classify, read_reports
+from hpctrain.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
+                             read_jsonl, read_outcome, write_atomic, write_jsonl)
+from hpctrain.spec import world_size
+
+
+def say(msg: str) -> None:
+    print(f"hpctrain: {msg}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, runner, slurm: bool):
+        self.run_dir, self.runner, self.slurm = Path(run_dir), runner, slurm
+        self.cfg = load(self.run_dir / "config.yaml")
+        self.excluded: list[str] = []
+        self.stopping = False
+        self._polled = 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        attempt = self._next_attempt()
+        restarts, last = 0, None
+        limit = self.cfg.launcher.max_restarts
+        while True:
+            # The interruption recorded last (here, or before a requeue) ends with this start.
+            self._restarted(time.time())
+            nodes = self._nodes()
+            if nodes is None:
+                return 1
+            clear_outcome(self.run_dir)
+            started = time.time()
+            say(f"start {attempt}: {len(nodes)} node(s) ({', '.join(nodes)}), {world_size(self.cfg)} ranks")
+            ended = self.runner.start(attempt, nodes, {"HPCTRAIN_ATTEMPT": str(attempt)}, self._poll)
+            append_jsonl(self.run_dir / "attempts.jsonl", {"attempt": attempt, "nodes": nodes, "start": started,
+                                                            "end": time.time(), "rc": ended.rc,
+                                                            "world": world_size(self.cfg)})
+            outcome = read_outcome(self.run_dir) or {}
+            if ended.rc == 0 and outcome.get("status") == "completed":
+                self._poll(force=True)
+                say(f"completed at step {outcome.get('step')}")
+                return 0
+            if ended.rc == 0 and outcome.get("status") == "preempted":
+                return self._preempted(outcome, attempt)
+            if ended.interrupted or self.stopping:
+                say("stopped by a signal: not restarting; run the same command again to resume")
+                return ended.rc or 130
+            failure = self._classify(attempt, nodes, ended)
+            self._record(failure, attempt)
+            if failure.cause in ("unhealthy", "node_lost"):
+                self.excluded += [n for n in failure.nodes if n not in self.excluded]
+            if last is not None and failure.signature() == last.signature():
+                return self._give_up(failure, f"the run failed the same way twice in a row ({failure.cause})")
+            if restarts >= limit:
+                return self._give_up(failure, f"{restarts} restart(s) used up (launcher.max_restarts={limit})")
+            last, restarts, attempt = failure, restarts + 1, attempt + 1
+            say(f"restart {restarts} of at most {limit} from the newest complete checkpoint")
+
+    def _nodes(self) -> list[str] | None:
+        """The nodes of the next start, the config re-planned when nodes were left out."""
+        nodes = [n for n in self.runner.nodes() if n not in self.excluded]
+        if not self.slurm:
+            if self.excluded:
+                say(f"this machine was found unusable ({', '.join(self.excluded)}): nothing to continue on")
+                return None
+            return nodes
+        want = self.cfg.cluster.nodes
+        if len(nodes) >= want:
+            return nodes[:want]
+        try:
+            cfg, n, change = shrink_to_fit(self.cfg, len(nodes), self.cfg.launcher.min_nodes)
+        except ConfigError as e:
+            return self._requeue_without(str(e))
+        self.cfg = cfg
+        write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        say(f"continuing on {n} node(s) without {', '.join(self.excluded)}: {change}")
+        return nodes[:n]
+
+    def _requeue_without(self, why: str) -> None:
+        say(f"cannot go on with the nodes left ({why})")
+        if slurm_requeue.exclude_nodes(os.environ, self.excluded) and \
+                slurm_requeue.requeue(os.environ, self.cfg.cluster.max_requeues):
+            say(f"requeued without {', '.join(self.excluded)}: the job resumes from the newest checkpoint")
+        return None
+
+    def _preempted(self, outcome: dict, attempt: int) -> int:
+        self._record(Failure("preempted", detail=f"saved at step {outcome.get('step')}", failed_at=time.time()),
+                     attempt)
+        if self.slurm:
+            slurm_requeue.requeue(os.environ, self.cfg.cluster.max_requeues)
+        else:
+            say(f"stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
+                "run the same command again to resume")
+        return 0
+
+    def _give_up(self, failure: Failure, why: str) -> int:
+        rank = failure.ranks[0] if failure.ranks else None
+        where = f"rank {rank}" + (f" on {failure.nodes[0]}" if failure.nodes else "") if rank is not None else \
+            ", ".join(failure.nodes)
+        msg = f"{why}; not restarting. Last failure: {failure.detail}"
+        if rank is not None:
+            path, text = self.runner.log_tail(rank)
+            msg += f"\n--- {where}, its log: {path} ---\n{text}" if text else f" ({where}; its log: {path})"
+        print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
+        return 1
+
+    # ------------------------------------------------------------------ records
+
+    def _next_attempt(self) -> int:
+        done = [int(p.name) for p in (self.run_dir / ATTEMPTS).glob("*") if p.name.isdigit()]
+        return max(done, default=-1) + 1
+
+    def _classify(self, attempt: int, nodes: list[str], ended) -> Failure:
+        lost = self.runner.probe(nodes)
+        metrics = read_jsonl(self.run_dir / "metrics.jsonl")
+        last_progress = metrics[-1]["time"] if metrics else None
+        return classify(read_reports(attempt_dir(self.run_dir, attempt)), ended.failed, world_size(self.cfg),
+                        lost, last_progress)
+
+    def _record(self, failure: Failure, attempt: int) -> None:
+        now = time.time()
+        metrics = read_jsonl(self.run_dir / "metrics.jsonl")
+        good = list_complete(self.run_dir / "checkpoints")
+        ckpt = good[-1][0] if good else 0
+        last = metrics[-1]["step"] if metrics else 0
+        rec = {"time": now, "attempt": attempt, "cause": failure.cause, "ranks": failure.ranks,
+               "nodes": failure.nodes, "detail": failure.detail, "checkpoint_step": ckpt, "last_step": last,
+               "steps_redone": max(0, last - ckpt), "failed_at": failure.failed_at,
+               "detect_s": round(now - failure.failed_at, 2) if failure.failed_at else None,
+               "restarted_at": None, "first_step_at": None, "recover_s": None}
+        append_jsonl(self.run_dir / INTERRUPTIONS, rec)
+        say(f"{failure.cause}: {failure.detail} (last checkpoint step {ckpt}, last step {last})")
+
+    def _restarted(self, when: float) -> None:
+        records = read_jsonl(self.run_dir / INTERRUPTIONS)
+        if records and records[-1].get("restarted_at") is None:
+            records[-1]["restarted_at"] = when
+            write_jsonl(self.run_dir / INTERRUPTIONS, records)
+
+    def _poll(self, force: bool = False) -> None:
+        """While ranks run: the first step after the last interruption ends its recovery time."""
+        if not force and time.monotonic() - self._polled < 2.0:
+            return
+        self._polled = time.monotonic()
+        records = read_jsonl(self.run_dir / INTERRUPTIONS)
+        if not records or records[-1].get("first_step_at") is not None or records[-1].get("restarted_at") is None:
+            return
+        rec = records[-1]
+        after = [m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m.get("time", 0) > rec["restarted_at"]]
+        if after:
+            rec["first_step_at"] = after[0]["time"]
+            rec["recover_s"] = round(after[0]["time"] - (rec["failed_at"] or rec["time"]), 2)
+            write_jsonl(self.run_dir / INTERRUPTIONS, records)
+
+    def interrupt(self, signum, _frame) -> None:
+        self.stopping = True
+        forward = getattr(self.runner, "forward", None)
+        if forward is not None:
+            forward(signum)
+
+
+def supervise(run_dir: str | os.PathLike) -> int:
+    from hpctrain.launch.runners import LocalRunner, SrunRunner
+
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="hpctrain: %(message)s", stream=sys.stderr)
+    run_dir = Path(run_dir).resolve()
+    cfg = load(run_dir / "config.yaml")
+    slurm = cfg.launcher.name != "local"
+    if slurm and "SLURM_JOB_ID" not in os.environ:
+        print(f"hpctrain: error: launcher={cfg.launcher.name} runs the supervisor inside a Slurm job "
+              "(the batch script does); outside one, use launcher=local", file=sys.stderr)
+        return 2
+    runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
+    sup = Supervisor(run_dir, runner, slurm)
+    if slurm:  # scancel: no restarts; the local runner forwards signals to the ranks itself
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, sup.interrupt)
+    return sup.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m hpctrain.launch.supervise <run_dir>", file=sys.stderr)
+        return 2
+    return supervise(argv[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
