@@ -191,6 +191,9 @@ SwitchType=switch/none
 JobRequeue=1
 ReturnToService=2
 KillWait=5
+# A node that stops answering is declared DOWN after 30 s (Slurm's default is 300): the node-loss
+# tests need the job that lost it to end in reasonable time.
+SlurmdTimeout=30
 MailProg=/bin/true
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost

@@ -50,14 +50,20 @@ class SrunRunner:
         self.job = env["SLURM_JOB_ID"]
         self.allocation = hostnames(env["SLURM_JOB_NODELIST"])
         self.tpn, self.cpus = ranks_per_node(cfg.cluster), cfg.cluster.cpus_per_task
-        self.grace_s = 30.0  # after the first rank's own report, how long srun may take to end the step
+        # After the first rank's own report (an error, a hang): how long srun may take to end the step
+        # before it is told to. Longer means srun waits for a node that is gone.
+        self.grace_s = 10.0
         self._proc: Optional[subprocess.Popen] = None
 
     def nodes(self) -> list[str]:
         return list(self.allocation)
 
-    def command(self, nodes: list[str]) -> list[str]:
-        return ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tpn}",
+    def command(self, nodes: list[str], attempt: int = 0) -> list[str]:
+        # After a failure the last step may still hold the nodes in Slurm's books (a step with a lost
+        # node ends only when slurmctld declares the node down, SlurmdTimeout later): --overlap lets
+        # the new step start on them meanwhile; the old step's processes there are gone.
+        overlap = ["--overlap"] if attempt > 0 else []
+        return ["srun", *overlap, f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tpn}",
                 f"--ntasks-per-node={self.tpn}", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 # srun of Slurm 22.05+ does not inherit --cpus-per-task from the allocation.
                 f"--cpus-per-task={self.cpus}", f"--output={self.run_dir}/logs/rank-%t.log", "--open-mode=append",
@@ -69,7 +75,7 @@ class SrunRunner:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         err_path = adir / "srun.log"
         with open(err_path, "wb") as err:
-            self._proc = subprocess.Popen(self.command(nodes), env={**os.environ, **env}, stdout=err,
+            self._proc = subprocess.Popen(self.command(nodes, attempt), env={**os.environ, **env}, stdout=err,
                                           stderr=subprocess.STDOUT)
             first_report = None
             while self._proc.poll() is None:
@@ -95,15 +101,15 @@ class SrunRunner:
         time.sleep(0.2)
         p.send_signal(signal.SIGINT)
         try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+            p.wait(timeout=3)
+        except subprocess.TimeoutExpired:  # it waits for a node that is gone: its ranks have ended
             p.kill()
 
     def forward(self, signum: int) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signum)
 
-    def probe(self, nodes: list[str], timeout_s: float = 20.0) -> list[str]:
+    def probe(self, nodes: list[str], timeout_s: float = 10.0) -> list[str]:
         """Nodes that do not run a trivial step within `timeout_s` (their slurmd or the node is gone)."""
         procs = {n: subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--nodelist={n}", "--overlap",
                                       "--cpus-per-task=1", "true"], stdout=subprocess.DEVNULL,

@@ -1,0 +1,77 @@
+"""The supervisor on this machine (launcher=local, 2 ranks): a crashed rank, a hung rank and a failure
+that repeats itself, as a user meets them through the CLI. The Slurm versions (a killed rank, a
+stopped rank, a lost node, an unhealthy node) are in test_slurm_faults.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.rundir import read_jsonl
+
+from helpers import run_cli
+
+COMMON = ("+experiment=tiny", "train.steps=12", "checkpoint.every=4", "optim.warmup_steps=2")
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    d = tmp_path_factory.mktemp("uninterrupted")
+    run_cli(*COMMON, f"run.dir={d}")
+    return losses(d)
+
+
+def test_crashed_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", env={"HPCTRAIN_FAULT": "crash:step=6,rank=1"})
+    assert "crashed: rank 1 was killed by SIGKILL" in proc.stderr and "completed at step 12" in proc.stderr
+    assert losses(tmp_path) == uninterrupted  # resumed from step 4, the same numbers to the last bit
+    (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
+    assert (rec["cause"], rec["ranks"], rec["checkpoint_step"]) == ("crashed", [1], 4)
+    assert rec["steps_redone"] >= 1 and rec["recover_s"] > 0 and rec["first_step_at"] > rec["restarted_at"]
+    attempts = read_jsonl(tmp_path / "attempts.jsonl")
+    assert [a["rc"] for a in attempts] == [128 + 9, 0]
+
+
+def test_hung_rank_is_named_with_every_stack_and_restarted(tmp_path, uninterrupted):
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", "launcher.hang_timeout_s=3",
+                   env={"HPCTRAIN_FAULT": "hang:step=6,rank=1"})
+    assert "completed at step 12" in proc.stderr, proc.stderr[-3000:]
+    assert losses(tmp_path) == uninterrupted
+    (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
+    assert (rec["cause"], rec["ranks"]) == ("hung", [1]), rec
+    assert "rank(s) 1 had not reached collective" in rec["detail"] and "at step 6" in rec["detail"]
+    hang = tmp_path / "attempts" / "0"
+    # Found by the watchdogs with the configured silence (not by a collective timing out much later:
+    # that would be an error on some rank, not a report from each).
+    for r in (0, 1):
+        report = json.loads((hang / f"hang-rank-{r}.json").read_text())
+        assert report["timeout_s"] == 3.0 and report["silent_s"] >= 3.0
+    for r in (0, 1):
+        assert "no progress" in (hang / f"stacks-rank-{r}.txt").read_text()
+    # The stuck rank's stack shows where it is stuck; the other waits in a collective.
+    assert "faults.py" in (hang / "stacks-rank-1.txt").read_text()
+    assert "distributed" in (hang / "stacks-rank-0.txt").read_text()
+    assert json.loads((hang / "hang-rank-0.json").read_text())["collectives"]["world"] > \
+        json.loads((hang / "hang-rank-1.json").read_text())["collectives"]["world"]
+
+
+def test_a_failure_that_repeats_stops_with_its_rank_and_log(tmp_path):
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", check=False, env={"HPCTRAIN_FAULT": "raise:step=3,rank=1"})
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert "the run failed the same way twice in a row (crashed); not restarting" in err
+    assert "rank 1: RuntimeError: injected failure at step 3 on rank 1" in err
+    assert f"its log: {tmp_path / 'logs' / 'rank-1.log'}" in err and "Traceback" in err.split("its log:")[-1]
+    assert [r["attempt"] for r in read_jsonl(tmp_path / "interruptions.jsonl")] == [0, 1]
+
+
+def test_max_restarts_zero_stops_at_the_first_failure(tmp_path):
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", "launcher.max_restarts=0", check=False,
+                   env={"HPCTRAIN_FAULT": "crash:step=6,rank=1"})
+    assert proc.returncode == 1 and "0 restart(s) used up (launcher.max_restarts=0)" in proc.stderr
+    assert [a["rc"] for a in read_jsonl(tmp_path / "attempts.jsonl")] == [128 + 9]
