@@ -19,8 +19,8 @@ def reports(**kw) -> dict:
     return {"hosts": dict(HOSTS), "health": None, "hangs": {}, "errors": {}, **kw}
 
 
-def hang_report(rank: int, world_seq: int, step: int = 7) -> dict:
-    return {"rank": rank, "host": HOSTS[rank], "step": step, "phase": "step", "silent_s": 10.0, "time": 100.0,
+def hang_report(rank: int, world_seq: int, step: int = 7, at: float = 100.0) -> dict:
+    return {"rank": rank, "host": HOSTS[rank], "step": step, "phase": "step", "silent_s": 10.0, "time": at,
             "collectives": {"world": world_seq}}
 
 
@@ -44,6 +44,16 @@ def test_hang_blames_the_silent_rank():
     f = classify(reports(hangs=hangs), {r: "exit code 75" for r in (0, 1, 3)}, 4, [], None)
     assert (f.cause, f.ranks, f.nodes) == ("hung", [2], ["n2"])
     assert "rank(s) 2 wrote no report" in f.detail and "at step 7" in f.detail
+
+
+def test_hang_blames_the_stopped_rank_even_when_woken_to_report_late():
+    """Slurm sends SIGCONT before it kills a step: the stopped rank may report after the others, from
+    wherever it was stopped. It was silent when the others reported, and the others' sequence numbers
+    (rank 3 one collective further than 0 and 2) only say where each of them waits."""
+    hangs = {0: hang_report(0, 197, at=100.0), 2: hang_report(2, 197, at=100.4), 3: hang_report(3, 198, at=100.9),
+             1: hang_report(1, 197, at=106.2)}
+    f = classify(reports(hangs=hangs), {}, 4, [], None)
+    assert (f.cause, f.ranks, f.nodes) == ("hung", [1], ["n1"]), f.detail
 
 
 def test_hang_blames_the_rank_behind_on_the_world_group():
@@ -178,7 +188,8 @@ def test_watchdog_fires_with_stacks_and_a_report(tmp_path):
     from hpctrain.train.watchdog import EXIT_HUNG, Watchdog, auto_timeout
 
     exits = []
-    wd = Watchdog(tmp_path, rank=3, hang_timeout_s=0.3, generous_s=60, exit_fn=exits.append, poll_s=0.05)
+    wd = Watchdog(tmp_path, rank=3, hang_timeout_s=0.3, generous_s=60, exit_fn=exits.append, poll_s=0.05,
+                  linger_s=0)
     wd.beat(7, "step")
     wd.start()
     deadline = time.monotonic() + 30  # a bound against a broken watchdog, not a speed claim

@@ -71,23 +71,31 @@ def judge(per_rank: list[tuple[str, float, bool]], slowdown: float) -> Verdict:
     return Verdict(unhealthy=bad, kernel_s=node_s)
 
 
-def check(attempt_dir: Path, device, slowdown: float) -> Verdict:
-    """Every rank calls this together, after the process group is up."""
+def check(attempt_dir: Path, device, slowdown: float, rounds: int = 3) -> Verdict:
+    """Every rank calls this together, after the process group is up. A node found slow is measured
+    again (up to `rounds` times): it is left out only if it is slow every time, because ranks that
+    share cores (or a node that was busy for a moment) look slow once, a sick one always does."""
     import torch
     import torch.distributed as dist
 
     host = socket.gethostname()
-    seconds = _kernel(device)
-    injected = faults.health_slowdown(host)
-    if injected > 1:  # a slow node for tests and trials: really take that long
-        time.sleep(seconds * (injected - 1))
-        seconds *= injected
     x = torch.ones(1024, device=device)
     dist.all_reduce(x)
     ok = bool((x == dist.get_world_size()).all())
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (host, seconds, ok))
-    verdict = judge(gathered, slowdown)
+    suspects = None
+    for _ in range(rounds):
+        seconds = _kernel(device)
+        injected = faults.health_slowdown(host)
+        if injected > 1:  # a slow node for tests and trials: really take that long
+            time.sleep(seconds * (injected - 1))
+            seconds *= injected
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (host, seconds, ok))
+        verdict = judge(gathered, slowdown)
+        suspects = set(verdict.unhealthy) if suspects is None else suspects & set(verdict.unhealthy)
+        verdict.unhealthy = {h: w for h, w in verdict.unhealthy.items() if h in suspects}
+        if verdict.ok:
+            break
     if dist.get_rank() == 0:
         attempt_dir.mkdir(parents=True, exist_ok=True)
         (attempt_dir / "health.json").write_text(json.dumps(

@@ -7,9 +7,9 @@ signals, srun's own report) and which nodes no longer answer. The first rule tha
 
 1. unhealthy: the health check named nodes;
 2. node lost: a node of the start no longer answers;
-3. hung: a watchdog fired. To blame: the ranks that wrote no report (stopped, or dead), and the
-   ranks behind the others on the world group (fewer collectives entered: they had not reached the
-   one the others wait in);
+3. hung: a watchdog fired. To blame: the ranks that wrote no report in time (stopped, or dead), else
+   the ranks behind the others on the world group (fewer collectives entered: they had not reached
+   the one the others wait in);
 4. crashed: a rank killed by a signal it did not get from us, else the earliest error report, else
    the first rank that failed.
 """
@@ -24,6 +24,7 @@ from typing import Optional
 
 EXIT_HUNG = 75  # hpctrain.train.watchdog
 EXIT_UNHEALTHY = 76  # hpctrain.dist.health
+REPORT_WINDOW_S = 3.0  # watchdogs linger 5 s (hpctrain.train.watchdog) and poll every second
 # Errors a rank raises because a peer died, not on its own account.
 ECHOES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
           "NCCL communicator was aborted", "ProcessGroupGloo", "TCPStore", "recvValue", "Timed out waiting")
@@ -85,6 +86,13 @@ def classify(reports: dict, ended: dict, world: int, lost_nodes: list, last_prog
 
 
 def _hang(hangs: dict, hosts: dict, world: int) -> Failure:
+    # In time: within REPORT_WINDOW_S of the first report. Watchdogs that can fire do so within their
+    # poll of each other and linger before exiting; a report later than that comes from a rank woken
+    # or let go by the teardown of the others (Slurm sends SIGCONT before killing a step), which was
+    # silent while it mattered.
+    first = min((rep.get("time", 0.0) for rep in hangs.values()), default=0.0)
+    late = [r for r, rep in hangs.items() if rep.get("time", 0.0) > first + REPORT_WINDOW_S]
+    hangs = {r: rep for r, rep in hangs.items() if r not in late}
     silent = [r for r in range(world) if r not in hangs]
     seqs = {r: rep.get("collectives", {}).get("world") for r, rep in hangs.items()}
     seqs = {r: s for r, s in seqs.items() if isinstance(s, int)}
@@ -92,6 +100,8 @@ def _hang(hangs: dict, hosts: dict, world: int) -> Failure:
     if seqs and len(set(seqs.values())) > 1:
         ahead = max(seqs.values())
         behind = [r for r, s in seqs.items() if s < ahead]
+    if silent:  # the clearer sign: the others' sequence numbers only say where each of them waits
+        behind = []
     blamed = sorted(set(silent) | set(behind))
     parts = []
     if silent:

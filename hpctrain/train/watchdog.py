@@ -13,8 +13,9 @@ collective timeout `launcher.timeout_s`, which is generous). On expiry the rank 
   group had not reached the collective they wait in;
 - with NCCL, `nccl-trace-rank-<r>.pkl`: the flight recorder's dump (TORCH_NCCL_TRACE_BUFFER_SIZE),
 
-then exits with EXIT_HUNG. A rank that is stopped (SIGSTOP) or dead writes nothing: the supervisor
-names it from its silence. Why our own: torch's collective timeout ends a hung job only after
+then, after `linger_s` (so that every rank still able to report has done so before the first exit
+makes the launcher tear the others down), exits with EXIT_HUNG. A rank that is stopped (SIGSTOP) or
+dead writes nothing in that time: the supervisor names it from its silence. Why our own: torch's collective timeout ends a hung job only after
 `timeout_s` and says nothing about who was stuck; torchrun's elastic agent restarts on failures but
 does not detect hangs; NVIDIA's resiliency extension does both but is built around CUDA.
 """
@@ -48,10 +49,10 @@ def auto_timeout(step_times: list[float], floor: float = 60.0, factor: float = 1
 class Watchdog:
     def __init__(self, attempt_dir: Path, rank: int, hang_timeout_s: float, generous_s: float,
                  groups: Callable[[], dict] = dict, exit_fn: Callable[[int], None] = os._exit,
-                 poll_s: float = 1.0):
+                 poll_s: float = 1.0, linger_s: float = 5.0):
         self.dir, self.rank = Path(attempt_dir), rank
         self.fixed, self.generous = hang_timeout_s, generous_s
-        self.groups, self.exit_fn, self.poll_s = groups, exit_fn, poll_s
+        self.groups, self.exit_fn, self.poll_s, self.linger_s = groups, exit_fn, poll_s, linger_s
         self.step, self.phase, self.last = 0, "start", time.monotonic()
         self.step_times: list[float] = []
         self._stop = threading.Event()
@@ -102,6 +103,7 @@ class Watchdog:
         tmp.replace(self.dir / f"hang-rank-{self.rank}.json")
         log.error("no progress for %.0f s at step %d (%s): stacks in %s; stopping this rank so the run restarts",
                   silent, self.step, self.phase, self.dir)
+        time.sleep(self.linger_s)
         logging.shutdown()
         self.exit_fn(EXIT_HUNG)
 
