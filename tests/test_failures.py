@@ -210,3 +210,23 @@ def test_watchdog_fires_with_stacks_and_a_report(tmp_path):
     assert wd2.timeout() == 90.0 == auto_timeout([9.0] * 5)
     wd2.beat(3, "save")
     assert wd2.timeout() == 300
+
+
+# --- goodput --------------------------------------------------------------------------------------
+
+def test_goodput_charges_interruptions(tmp_path):
+    from hpctrain.goodput import main, measure, report
+
+    attempts = [{"attempt": 0, "start": 100.0, "end": 130.0, "rc": 137}, {"attempt": 1, "start": 131.0, "end": 160.0, "rc": 0}]
+    metrics = [{"step": s, "step_time_s": 0.5, "time": 100.0 + s} for s in range(1, 41)]
+    rec = {"cause": "crashed", "ranks": [2], "nodes": ["n2"], "detail": "rank 2 was killed by SIGKILL",
+           "steps_redone": 4, "detect_s": 0.5, "recover_s": 9.0, "failed_at": 124.0}
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (tmp_path / "interruptions.jsonl").write_text(json.dumps(rec) + "\n")
+    g = measure(tmp_path)
+    assert (g.wall_s, g.productive_s, g.steps) == (60.0, 20.0, 40)
+    assert g.goodput == pytest.approx(1 / 3) and g.lost_s == 9.0 and g.redone_s == 2.0 and g.other_s == 29.0
+    text = report(g)
+    assert "goodput 33.3%" in text and "crashed" in text and "9.0" in text
+    assert main([str(tmp_path / "nowhere")]) == 2

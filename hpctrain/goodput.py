@@ -1,0 +1,98 @@
+"""`python -m hpctrain.goodput <run.dir>`: how much of a run's wall time went into steps it kept.
+
+goodput = time in productive steps / wall time, where productive steps are the steps of the run as
+it finally happened (metrics.jsonl keeps one record per step; steps trained again after a restart
+replace the lost ones) and the wall time runs from the first start of the ranks to the end of the
+last (attempts.jsonl). The breakdown charges each interruption (interruptions.jsonl) with the time
+from the failure to the first step after the restart, and with the steps it made train again.
+Works on a run in progress too (its wall time ends now).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.rundir import INTERRUPTIONS, read_jsonl
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    productive_s: float
+    steps: int
+    interruptions: list = field(default_factory=list)  # the records, as written
+    lost_s: float = 0.0  # failure -> first step after the restart, summed
+    redone_s: float = 0.0  # steps trained twice, at the median step time
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def other_s(self) -> float:
+        """Start-up, checkpoint saves, logging: wall time neither productive nor charged to a failure."""
+        return max(0.0, self.wall_s - self.productive_s - self.lost_s - self.redone_s)
+
+
+def measure(run_dir: str | Path) -> Goodput:
+    run_dir = Path(run_dir)
+    attempts = read_jsonl(run_dir / "attempts.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if not attempts or not metrics:
+        raise ValueError(f"{run_dir} has no attempts.jsonl or metrics.jsonl: is it a run directory "
+                         "of hpctrain that has started?")
+    start = attempts[0]["start"]
+    end = max(a.get("end", time.time()) for a in attempts)
+    by_step = {m["step"]: m for m in metrics}  # the last record of a step is the one kept
+    every = _log_every(sorted(by_step))
+    times = [m["step_time_s"] for m in by_step.values()]
+    g = Goodput(wall_s=end - start, productive_s=sum(times) * every, steps=len(by_step) * every,
+                interruptions=read_jsonl(run_dir / INTERRUPTIONS))
+    median = statistics.median(times) if times else 0.0
+    for rec in g.interruptions:
+        if rec.get("cause") == "preempted":
+            continue
+        if rec.get("recover_s") is not None:
+            g.lost_s += rec["recover_s"]
+        g.redone_s += rec.get("steps_redone", 0) * median
+    return g
+
+
+def _log_every(steps: list) -> int:
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return statistics.median(gaps) if gaps else 1
+
+
+def report(g: Goodput) -> str:
+    lines = [f"goodput {g.goodput:.1%}: {g.productive_s:.1f} s in {g.steps} productive steps of {g.wall_s:.1f} s wall time",
+             f"  charged to interruptions: {g.lost_s:.1f} s from failure to the next step, "
+             f"{g.redone_s:.1f} s of steps trained again; start-up, saves and the rest: {g.other_s:.1f} s"]
+    if g.interruptions:
+        lines.append(f"{'cause':<10} {'ranks':<8} {'nodes':<10} {'detect s':>9} {'recover s':>10} {'redone':>7}  detail")
+        for r in g.interruptions:
+            detect = f"{r['detect_s']:.1f}" if r.get("detect_s") is not None else "-"
+            recover = f"{r['recover_s']:.1f}" if r.get("recover_s") is not None else "-"
+            lines.append(f"{r['cause']:<10} {','.join(map(str, r.get('ranks', []))) or '-':<8} "
+                         f"{','.join(r.get('nodes', [])) or '-':<10} {detect:>9} {recover:>10} "
+                         f"{r.get('steps_redone', 0):>7}  {r.get('detail', '')[:80]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print("usage: python -m hpctrain.goodput <run.dir>", file=sys.stderr)
+        return 2
+    try:
+        print(report(measure(argv[0])))
+    except ValueError as e:
+        print(f"hpctrain.goodput: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
