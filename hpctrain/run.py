@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = None
     try:
         backend = backend_for(cfg.launcher.backend, spec.device, torch.cuda.is_available())
-        nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank)
+        nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank,
+                   dump_prefix=str(adir / "nccl-trace-rank-"))
         device = init(de, backend, cfg.launcher.timeout_s, cfg.train.threads)
         log.info("rank %d of %d on %s (launcher %s, backend %s, device %s, attempt %d)", de.rank, de.world,
                  socket.gethostname(), de.launcher, backend, device, faults.attempt())

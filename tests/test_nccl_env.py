@@ -49,4 +49,13 @@ def test_user_and_cluster_settings_win(tmp_path):
 
 def test_empty_sysfs(tmp_path):
     env = nccl_env(tmp_path, env={})
-    assert env == {"NCCL_IB_DISABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert env == {"NCCL_IB_DISABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+
+
+def test_flight_recorder_dumps_into_the_attempt(tmp_path):
+    env = nccl_env(tmp_path, env={}, dump_prefix="/runs/a/attempts/2/nccl-trace-rank-")
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/runs/a/attempts/2/nccl-trace-rank-"
+    mine = nccl_env(tmp_path, env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/"},
+                    dump_prefix="/runs/a/attempts/2/nccl-trace-rank-")
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in mine

@@ -10,6 +10,11 @@ trees. It only fills in what neither the user's environment nor `cluster.env` al
   the usual Ethernet names), never lo or docker/veth bridges unless nothing else exists.
 - TORCH_NCCL_ASYNC_ERROR_HANDLING=1 so a hung or failed collective aborts the job instead of
   hanging it until the time limit; the collective timeout itself is launcher.timeout_s.
+- NCCL's flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE=2000 (the last collectives of every process
+  group, with their state on this rank), and with a dump location, TORCH_NCCL_DUMP_ON_TIMEOUT=1 and
+  TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<run.dir>/attempts/N/nccl-trace-rank- (torch appends the rank): a
+  collective timeout writes it there; hpctrain's watchdog dumps it too when it sees a hang
+  (hpctrain.train.watchdog). torch's docs: "Flight Recorder for debugging stuck jobs".
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ def socket_ifname(sysfs: Path) -> str | None:
 
 
 def nccl_env(sysfs: Path = Path("/sys"), env: Mapping[str, str] = os.environ,
-             overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+             overrides: Mapping[str, str] | None = None, dump_prefix: str | None = None) -> dict[str, str]:
     """Variables to set: detection fills only what neither `env` nor `overrides` (cluster.env) has."""
     chosen: dict[str, str] = {}
     given = {**env, **(overrides or {})}
@@ -76,15 +81,21 @@ def nccl_env(sysfs: Path = Path("/sys"), env: Mapping[str, str] = os.environ,
             chosen["NCCL_SOCKET_IFNAME"] = ifname
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in given:
         chosen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in given:
+        chosen["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
+    if dump_prefix and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in given:
+        chosen["TORCH_NCCL_DUMP_ON_TIMEOUT"] = given.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        chosen["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = dump_prefix
     chosen.update({k: str(v) for k, v in (overrides or {}).items() if k.startswith(("NCCL_", "TORCH_NCCL_"))})
     return chosen
 
 
-def apply(backend: str, overrides: Mapping[str, str] | None, rank: int) -> dict[str, str]:
+def apply(backend: str, overrides: Mapping[str, str] | None, rank: int,
+          dump_prefix: str | None = None) -> dict[str, str]:
     """Set the job's NCCL environment before the process group starts; rank 0 logs it once."""
     if backend != "nccl":
         return {}
-    chosen = nccl_env(overrides=overrides)
+    chosen = nccl_env(overrides=overrides, dump_prefix=dump_prefix)
     os.environ.update(chosen)
     if rank == 0:
         shown = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("NCCL_", "TORCH_NCCL_"))}
