@@ -15,18 +15,17 @@ Rank 0 writes {layout: [per-rank dicts]} to OUT.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpctrain.compose import compose
-from hpctrain.dist.bootstrap import detect, init
 from hpctrain.train.loop import Trainer
+
+from rank_worker import over_layouts, run_rank_of_layouts
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0", "train.steps=2"]
@@ -139,25 +138,17 @@ def probe(t: Trainer) -> dict:
 
 def main() -> None:
     out, layouts = sys.argv[1], sys.argv[2:]
-    de = detect()
-    init(de, "gloo", 120, 1)
-    results = {}
-    for spec in layouts:
-        with tempfile.TemporaryDirectory() as d:
-            run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-            cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
-            mine = probe(Trainer(cfg, run, torch.device("cpu")))
-            gathered = [None] * de.world
-            dist.all_gather_object(gathered, mine)
-            results[spec] = gathered
-            dist.barrier()
-    if de.rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+
+    def one(spec: str, d: str, de) -> list:
+        run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
+        cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
+        mine = probe(Trainer(cfg, run, torch.device("cpu")))
+        gathered = [None] * de.world
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    over_layouts(out, layouts, one)
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)
+    run_rank_of_layouts(main)

@@ -8,17 +8,16 @@ and trains to STEPS (losses of both). Rank 0 writes {layout: {...}} to OUT.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 from hpctrain.compose import compose
-from hpctrain.dist.bootstrap import detect, init
 from hpctrain.train.loop import Trainer
+
+from rank_worker import over_layouts, run_rank_of_layouts
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0", "offload.chunk_mb=1"]
@@ -95,31 +94,19 @@ def resume(cfg_args: list[str], run: str, steps: int) -> dict:
 
 def main() -> None:
     out, steps, offload_dir, layouts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-    de = detect()
-    init(de, "gloo", 120, 1)
-    results = {}
-    for spec in layouts:
+
+    def one(spec: str, d: str, de) -> dict:
         mode, _, overrides = spec.rpartition(":")
-        with tempfile.TemporaryDirectory() as d:
-            base = d if de.rank == 0 else os.path.join(d, "other")
-            obj = [base]
-            dist.broadcast_object_list(obj, src=0)  # resuming needs one run directory for all ranks
-            run = os.path.join(obj[0], "run") if mode == "resume" else os.path.join(base, "run")
-            args = [*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", f"run.dir={run}",
-                    f"offload.path={offload_dir}", *overrides.split()]
-            if mode == "resume":
-                results[spec] = resume(args, run, steps)
-            else:
-                results[spec] = train(compose(args), run, steps)
-            dist.barrier()
-    results["_leftover_files"] = sorted(os.listdir(offload_dir))
-    if de.rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+        base = d if de.rank == 0 else os.path.join(d, "other")
+        obj = [base]
+        dist.broadcast_object_list(obj, src=0)  # resuming needs one run directory for all ranks
+        run = os.path.join(obj[0], "run") if mode == "resume" else os.path.join(base, "run")
+        args = [*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", f"run.dir={run}",
+                f"offload.path={offload_dir}", *overrides.split()]
+        return resume(args, run, steps) if mode == "resume" else train(compose(args), run, steps)
+
+    over_layouts(out, layouts, one, extra=lambda: {"_leftover_files": sorted(os.listdir(offload_dir))})
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    os._exit(0)
+    run_rank_of_layouts(main)

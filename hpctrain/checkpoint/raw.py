@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct, round_up
+from hpctrain.checkpoint.store import fsync_path
 
 SUFFIX = ".raw"
 BUFFER = 16 << 20
@@ -148,20 +149,12 @@ class RawWriter(FileSystemWriter):
             if self.sync_files:
                 os.fsync(fd)
                 for extra in {*self.also_sync, *(os.path.dirname(p) for p in self.also_sync)}:
-                    _fsync(extra)
+                    fsync_path(extra)
         finally:
             os.close(fd)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([r for share in results for r in share])
         return fut
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_raw(root: str, metadata, storage_data: dict, items: list, planner, threads: int = 4) -> None:
