@@ -9,7 +9,7 @@ import pytest
 
 from hpctrain import faults
 from hpctrain.compose import ConfigError, compose
-from hpctrain.launch.elastic import micro_batch_for, shrink
+from hpctrain.plan.elastic import micro_batch_for, shrink
 from hpctrain.launch.failures import classify, read_reports, srun_failures
 
 HOSTS = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}

@@ -43,7 +43,7 @@ H100_SET = {
 @pytest.fixture(autouse=True)
 def no_live_cluster(monkeypatch):
     """These tests are about the text: the partition checks against sinfo are not theirs."""
-    monkeypatch.setattr("hpctrain.launch.cluster_check.partition_facts", lambda *a, **k: None)
+    monkeypatch.setattr("hpctrain.plan.cluster_check.partition_facts", lambda *a, **k: None)
 
 
 TINY = ["+experiment=tiny", "launcher=sbatch", "cluster=local", "train.micro_batch=4"]

@@ -22,7 +22,7 @@ from omegaconf import open_dict
 from helpers import run_cli
 from hpctrain.plan.check import problems
 from hpctrain.compose import compose
-from hpctrain.launch.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
+from hpctrain.plan.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
                                           time_problems)
 from hpctrain.launch.slurm import executor_parameters
 
@@ -117,7 +117,7 @@ def test_partition_problems_from_sinfo_text():
 
 
 def test_partition_check_skipped_without_a_working_sinfo(monkeypatch, tmp_path):
-    from hpctrain.launch import cluster_check
+    from hpctrain.plan import cluster_check
 
     monkeypatch.setattr(cluster_check.shutil, "which", lambda name: None)
     assert cluster_check.partition_facts() is None

@@ -31,6 +31,8 @@ TIERS = [
 ALLOWED = {"foundation": {"foundation"}, "login": {"foundation", "login"},
            "runtime": {"foundation", "runtime"}, "tools": {"foundation", "login", "runtime", "tools"}}
 TORCH_FREE = ("foundation", "login")
+# Within a tier: the launchers use the checks and the planner, never the other way round.
+FORBIDDEN = [("hpctrain.plan", "hpctrain.launch")]
 
 
 def module_name(path: Path) -> str:
@@ -128,6 +130,12 @@ def test_tiers_import_only_downwards():
             if td is not None and td not in ALLOWED[t]:
                 bad.append(f"{mod} ({t}) imports {d} ({td})")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_forbidden_imports_within_a_tier():
+    bad = [f"{mod} imports {d}" for mod, deps in graph().items() for d in deps
+           for a, b in FORBIDDEN if (mod == a or mod.startswith(a + ".")) and (d == b or d.startswith(b + "."))]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("t", TORCH_FREE)

@@ -75,7 +75,7 @@ def submitit_parameters(options: dict[str, Any], own_srun: bool = False) -> dict
     batch process starts its own srun steps: submitit, which counts tasks from nodes x
     ntasks_per_node and waits for a result from each, is told of one task, and the allocation's shape
     goes to sbatch as additional parameters."""
-    from hpctrain.launch.cluster_check import minutes
+    from hpctrain.plan.cluster_check import minutes
 
     params: dict[str, Any] = {}
     extra: dict[str, Any] = {}

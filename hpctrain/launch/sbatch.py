@@ -18,19 +18,16 @@ with dry_run=true it prints the script it would write and writes nothing (no run
 """
 from __future__ import annotations
 
-import re
 import shlex
 from pathlib import Path
 from typing import Any, Optional
 
 from hpctrain.compose import ConfigError
 from hpctrain.launch.allocation import allocation, sbatch_lines
+from hpctrain.plan.cluster_check import script_problems
 from hpctrain.spec import ranks_per_node
 
 SCRIPT_NAME = "job.sbatch"
-_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_UNWRITABLE = ("\n", "\r", "\0")
 
 
 def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
@@ -42,32 +39,6 @@ def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
         "no-kill": True,  # a node lost does not end the job: the supervisor goes on without it
         "open-mode": "append",  # a requeued job appends to the same log
         "output": log, "error": log})
-
-
-def problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
-    """What cannot be written into the script: messages that name the key and the fix."""
-    out = []
-    c = cfg.cluster
-    values = {"run.name": cfg.run.name, "run.dir": run_dir if run_dir is not None else cfg.run.dir}
-    for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
-        values[f"cluster.{key}"] = c[key]
-    for key, value in dict(c.sbatch_extra or {}).items():
-        if not _OPTION.fullmatch(str(key).lstrip("-")):
-            out.append(f"cluster.sbatch_extra has the key {str(key)!r}, which is not an sbatch option name. "
-                       "Fix: use the long option without dashes, e.g. +cluster.sbatch_extra.mail-type=END")
-        values[f"cluster.sbatch_extra.{key}"] = value
-    for key, value in values.items():
-        if value is not None and not isinstance(value, bool) and any(ch in str(value) for ch in _UNWRITABLE):
-            out.append(f"{key}={str(value)!r} holds a line break, which cannot be written into an #SBATCH line "
-                       f"(sbatch would read the rest as a new line). Fix: give {key} on one line")
-    if "\\" in str(values["run.dir"]):
-        out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
-                   "name. Fix: choose a run.dir without backslashes")
-    for key in dict(c.env or {}):
-        if not _ENV_NAME.fullmatch(str(key)):
-            out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
-                       "Fix: use letters, digits and _ (not starting with a digit)")
-    return out
 
 
 def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
@@ -84,7 +55,7 @@ def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
 
 def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> str:
     """The batch script for this run. Raises ConfigError for values it cannot write safely."""
-    found = problems(cfg, run_dir)
+    found = script_problems(cfg, run_dir)
     if found:
         raise ConfigError("cannot write the sbatch script:\n" + "\n".join(f"  - {p}" for p in found))
     c = cfg.cluster

@@ -11,7 +11,7 @@ allocation; launcher=local: the login shell), as one process that imports no tor
 3. otherwise the cause is worked out (hpctrain.launch.failures) from what the ranks left in
    <run.dir>/attempts/N/ and from which nodes still answer, and recorded in interruptions.jsonl;
    unhealthy and lost nodes are left out, and the run continues on the others with a layout the
-   planner accepts for the smaller world (hpctrain.launch.elastic), or, below launcher.min_nodes, the
+   planner accepts for the smaller world (hpctrain.plan.elastic), or, below launcher.min_nodes, the
    job is requeued without them (Slurm's ExcNodeList);
 4. at most launcher.max_restarts times; a failure identical to the previous one (same cause, ranks,
    nodes and message: a bug or a bad input, not bad luck) stops the run at once, with the failing
@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.compose import ConfigError, load
 from hpctrain.launch import requeue as slurm_requeue
-from hpctrain.launch.elastic import shrink_to_fit
+from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
 from hpctrain.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
                              read_jsonl, read_outcome, write_atomic, write_jsonl)

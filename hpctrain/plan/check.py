@@ -167,7 +167,7 @@ def _cluster_time(cfg):
     """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.launch.cluster_check import time_problems
+    from hpctrain.plan.cluster_check import time_problems
 
     yield from time_problems(cfg)
 
@@ -177,7 +177,7 @@ def _cluster_script(cfg):
     """Slurm launchers: values that cannot be written into #SBATCH lines (line breaks, bad keys)."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.launch.sbatch import problems as script_problems
+    from hpctrain.plan.cluster_check import script_problems
 
     yield from script_problems(cfg)
 
@@ -188,7 +188,7 @@ def _cluster_partition(cfg):
     Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
     if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
         return
-    from hpctrain.launch.cluster_check import partition_facts, partition_problems
+    from hpctrain.plan.cluster_check import partition_facts, partition_problems
 
     partitions = partition_facts()
     if partitions:

@@ -187,3 +187,35 @@ def partition_problems(cfg: Any, partitions: dict[str, Partition]) -> list[str]:
         out.append(f"cluster.time={c.time} exceeds the time limit of {key} ({fmt(part.max_time_s)}). "
                    f"Fix: cluster.time={fmt(part.max_time_s)} or less (the run resumes after a requeue)")
     return out
+
+
+_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_UNWRITABLE = ("\n", "\r", "\0")
+
+
+def script_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
+    """What cannot be written into a batch script's `#SBATCH` lines (sbatch's parser reads them, not
+    the shell) or its environment: messages that name the key and the fix."""
+    out = []
+    c = cfg.cluster
+    values = {"run.name": cfg.run.name, "run.dir": run_dir if run_dir is not None else cfg.run.dir}
+    for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
+        values[f"cluster.{key}"] = c[key]
+    for key, value in dict(c.sbatch_extra or {}).items():
+        if not _OPTION.fullmatch(str(key).lstrip("-")):
+            out.append(f"cluster.sbatch_extra has the key {str(key)!r}, which is not an sbatch option name. "
+                       "Fix: use the long option without dashes, e.g. +cluster.sbatch_extra.mail-type=END")
+        values[f"cluster.sbatch_extra.{key}"] = value
+    for key, value in values.items():
+        if value is not None and not isinstance(value, bool) and any(ch in str(value) for ch in _UNWRITABLE):
+            out.append(f"{key}={str(value)!r} holds a line break, which cannot be written into an #SBATCH line "
+                       f"(sbatch would read the rest as a new line). Fix: give {key} on one line")
+    if "\\" in str(values["run.dir"]):
+        out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
+                   "name. Fix: choose a run.dir without backslashes")
+    for key in dict(c.env or {}):
+        if not _ENV_NAME.fullmatch(str(key)):
+            out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
+                       "Fix: use letters, digits and _ (not starting with a digit)")
+    return out
