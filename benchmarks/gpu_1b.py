@@ -4,7 +4,9 @@ tokens/s and MFU against the bf16 matmul peak measured on the same GPU in the sa
     python benchmarks/gpu_1b.py [--steps 30] [--seq 4096] [--micro 4] [--out outputs/bench/gpu_1b]
 
 Prints the measured matmul peak, the training tokens/s, model TFLOP/s and MFU (target >= 0.5 of the
-measured peak), writes results.json. Needs CUDA; refuses to run without it.
+measured peak), and the planner's predicted step time for the same shape on a cluster with that peak
+(plan.json of the run) against the measured one (target: within 15%); writes results.json. Needs
+CUDA; refuses to run without it (exit code 2).
 """
 from __future__ import annotations
 
@@ -68,12 +70,17 @@ def main() -> int:
     steady = rows[len(rows) // 3:]  # compile and warm-up steps left out
     tps = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
     mfu = sorted(r["mfu"] for r in steady)[len(steady) // 2]
-    res = {"gpu": torch.cuda.get_device_name(), "matmul_peak_tflops": peak, "tokens_per_s": tps,
-           "model_tflops": mfu * peak, "mfu_vs_measured_peak": mfu, "seq_len": a.seq, "micro_batch": a.micro,
+    step_s = sorted(r["step_time_s"] for r in steady)[len(steady) // 2]
+    plan = json.loads((run / "plan.json").read_text())
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "matmul_peak_tflops": peak,
+           "tokens_per_s": tps, "model_tflops": mfu * peak, "mfu_vs_measured_peak": mfu, "seq_len": a.seq,
+           "micro_batch": a.micro, "step_time_s": step_s, "predicted_step_time_s": plan["step_time_s"],
+           "predicted_over_measured": plan["step_time_s"] / step_s, "predicted_memory_gib": plan["memory_per_gpu_bytes"] / 2**30,
            "peak_mem_gib": max(r["mem_bytes"] for r in rows) / 2**30, "wall_s": time.time() - t0}
     (a.out / "results.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
-    print(f"MFU {mfu:.1%} of the measured peak (target >= 50%)")
+    print(f"MFU {mfu:.1%} of the measured peak (target >= 50%); planned step time {plan['step_time_s']:.3f} s "
+          f"vs measured {step_s:.3f} s = {res['predicted_over_measured']:.2f} (target 0.85-1.15)")
     return 0
 
 

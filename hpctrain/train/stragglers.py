@@ -33,7 +33,8 @@ class Stragglers:
             dist.all_gather_object(self.hosts, socket.gethostname())
         mine = torch.tensor([step_time], dtype=torch.float64)
         every = torch.empty(world, dtype=torch.float64)
-        dist.all_gather_single(every, mine)
+        # all_gather_single is torch 2.13's name; the GPU image may carry an older torch.
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine)
         times = every.tolist()
         return self.judge(times)
 
