@@ -48,6 +48,17 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
     unknown = _extra_keys(cfg, _schema_keys(()))
     if unknown:
         raise ConfigError(_unknown_key(unknown[0]))
+    if cfg.model.name == "hf":  # model=hf: the shape is the one model.init_from's config.json gives
+        from hpctrain import hf
+
+        if not cfg.model.init_from:
+            raise ConfigError("model=hf takes the model's shape from a Hugging Face directory. "
+                              "Fix: add model.init_from=<directory with config.json and *.safetensors>")
+        try:
+            for k, v in hf.model_keys(hf.read_config(cfg.model.init_from)).items():
+                cfg.model[k] = v
+        except hf.HFError as e:
+            raise ConfigError(str(e)) from None
     if resolve_paths:
         cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
     return cfg

@@ -57,6 +57,14 @@ class ModelConfig:
     rope_theta: float = 500000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Llama 3.1 RoPE scaling: factor (0 = off), low/high frequency factors, original context length.
+    rope_scaling: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    # A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
+    # must agree with the model keys above (`python -m hpctrain.hf config DIR` prints them).
+    init_from: Optional[str] = None
 
 
 @dataclass

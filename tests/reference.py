@@ -1,40 +1,84 @@
-"""A single-process reference: the same model, data and optimizer written as plainly as possible,
-without torch.distributed, micro-batches or any of hpctrain's wrappers. Layouts are compared to it."""
+"""The independent reference every layout is compared with: Hugging Face transformers' LlamaForCausalLM
+trained by torch.optim.AdamW, in one process, on the whole global batch at once, with the learning-rate
+schedule and the data order written here. None of hpctrain's model, optimizer, schedule or sampler
+code runs in it: a RoPE, norm, attention or optimizer bug in hpctrain would show as a difference.
+
+What is shared is the starting point: hpctrain's initial weights (generated per parameter name, as
+every layout does) reach transformers through hpctrain's Hugging Face export (`hf_dir`), which is
+itself under test.
+"""
 from __future__ import annotations
 
+import json
+import math
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from hpctrain.data import build_dataset
-from hpctrain.train.sampler import StepSampler
-from hpctrain.models.llama import Llama, LlamaArgs, init_param_
-from hpctrain.train.optim import build_optimizer
+from hpctrain import hf
+from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 
 
-def reference_losses(cfg, steps: int | None = None) -> tuple[list[float], list[float]]:
-    """Per-step (loss, grad_norm) of one process seeing the whole global batch at once."""
-    torch.manual_seed(0)
+def hf_dir(cfg, out: Path) -> Path:
+    """hpctrain's initial weights for `cfg` as a Hugging Face directory (config.json + safetensors)."""
+    from safetensors.torch import save_file
+
     args = LlamaArgs.from_config(cfg.model, max_seq_len=cfg.data.seq_len)
-    model = Llama(args)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
-            init_param_(name, p, args, gen)
-    opt, sched = build_optimizer(model.parameters(), cfg.optim, cfg.train.steps)
-    B = cfg.train.global_batch
-    sampler = StepSampler(build_dataset(cfg), B, B, 0, 1, cfg.data.seed)
+    weights = {}
+    for name, p in build_meta(args).named_parameters():
+        t = torch.empty(p.shape)
+        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
+        init_param_(name, t, args, gen)
+        weights[hf.to_hf(name)] = t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / hf.CONFIG).write_text(json.dumps(hf.to_config(cfg.model, cfg.data.seq_len)))
+    return out
+
+
+def lr_at(step: int, o, total: int) -> float:
+    """Linear warmup over optim.warmup_steps, then cosine to optim.min_lr_ratio at the last step."""
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - 1 - o.warmup_steps))
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def reference_losses(cfg, steps: int | None = None, workdir: Path | None = None) -> tuple[list[float], list[float]]:
+    """Per-step (loss, grad_norm) of transformers' Llama seeing the whole global batch at once."""
+    import tempfile
+
+    from transformers import LlamaForCausalLM
+
+    from hpctrain.data import build_dataset
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        model = LlamaForCausalLM.from_pretrained(hf_dir(cfg, Path(workdir or d) / "init"), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    data = build_dataset(cfg)
+    B, total = cfg.train.global_batch, cfg.train.steps
     losses, norms = [], []
-    for _ in range(steps or cfg.train.steps):
-        (x, y), = sampler.next_step()
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    for step in range(steps or total):
+        # The data order: step k takes samples k*B .. (k+1)*B - 1 of the (endless, synthetic) stream.
+        rows = torch.stack([torch.as_tensor(data[i]) for i in range(step * B, (step + 1) * B)])
+        x, y = rows[:, :-1], rows[:, 1:]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, o, total)
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad()
-        sched.step()
         losses.append(loss.item())
         norms.append(norm.item())
     return losses, norms

@@ -14,10 +14,10 @@ PKG = Path(__file__).resolve().parent.parent / "hpctrain"
 # Module (or package prefix) -> tier. The first matching prefix wins.
 TIERS = [
     # the foundation, torch-free: the schema, composing, the engine spec, arithmetic, the run
-    # directory, fault injection, dataset formats
+    # directory, fault injection, dataset formats, the Hugging Face format's names and shapes
     ("hpctrain.config", "foundation"), ("hpctrain.compose", "foundation"), ("hpctrain.spec", "foundation"),
     ("hpctrain.flops", "foundation"), ("hpctrain.rundir", "foundation"), ("hpctrain.disk", "foundation"),
-    ("hpctrain.faults", "foundation"), ("hpctrain.data", "foundation"),
+    ("hpctrain.faults", "foundation"), ("hpctrain.data", "foundation"), ("hpctrain.hf", "foundation"),
     # the login node: compose -> check -> plan -> launch
     ("hpctrain.__main__", "login"), ("hpctrain.plan", "login"), ("hpctrain.launch", "login"),
     ("hpctrain.goodput", "login"),

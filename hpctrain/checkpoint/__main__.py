@@ -1,11 +1,14 @@
 """Checkpoint tools that need no cluster.
 
-    python -m hpctrain.checkpoint export <step dir> <file> [--dtype bf16|fp32|keep]
+    python -m hpctrain.checkpoint export <step dir> <out dir> --format hf [--dtype bf16|fp32|fp16|keep]
+    python -m hpctrain.checkpoint export <step dir> <file> [--dtype ...]
     python -m hpctrain.checkpoint list <run dir>
 
-`export` writes the model weights as one consolidated file: safetensors when <file> ends in
-.safetensors, otherwise torch.save of a flat {name: tensor} dict. Parameter names are those of
-hpctrain.models.llama.Llama, whatever layout the checkpoint was saved with.
+`export --format hf` writes a Hugging Face Llama directory (config.json, safetensors files of at most
+--shard-gb with their index, Hugging Face's names) that transformers' LlamaForCausalLM.from_pretrained
+loads, streaming one tensor at a time (hpctrain.checkpoint.hf_io). Without --format hf: one consolidated
+file with hpctrain's parameter names, safetensors when <file> ends in .safetensors, otherwise
+torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any layout.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
         if k.startswith("model."):
             t = v.detach().contiguous()
             if dtype != "keep":
-                t = t.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+                t = t.to({"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype])
             flat[k[len("model."):]] = t
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
@@ -64,7 +67,10 @@ def main(argv=None) -> int:
     e = sub.add_parser("export", help="write one consolidated weights file")
     e.add_argument("step_dir", type=Path)
     e.add_argument("out", type=Path)
-    e.add_argument("--dtype", choices=("keep", "bf16", "fp32"), default="keep")
+    e.add_argument("--dtype", choices=("keep", "bf16", "fp32", "fp16"), default="keep")
+    e.add_argument("--format", choices=("file", "hf"), default="file",
+                   help="hf: a Hugging Face Llama directory (out is a directory)")
+    e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file")
     ls = sub.add_parser("list", help="complete checkpoints of a run")
     ls.add_argument("run_dir", type=Path)
     args = ap.parse_args(argv)
@@ -81,6 +87,14 @@ def main(argv=None) -> int:
     from hpctrain.checkpoint.safe import DamagedCheckpoint
 
     try:
+        if args.format == "hf":
+            from hpctrain.checkpoint.hf_io import export_hf
+
+            index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
+            files = sorted(set(index["weight_map"].values()))
+            print(f"wrote a Hugging Face Llama: {len(index['weight_map'])} tensors, "
+                  f"{index['metadata']['total_size'] / 1e9:.3f} GB in {len(files)} file(s) -> {args.out}")
+            return 0
         flat = export(args.step_dir, args.out, args.dtype)
     except DamagedCheckpoint as err:
         print(f"error: {err}", file=sys.stderr)

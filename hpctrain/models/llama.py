@@ -29,35 +29,59 @@ class LlamaArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Llama 3.1's RoPE scaling (0 = none): low frequencies slowed down by `rope_scaling`, high ones
+    # kept, a smooth blend between (Meta's reference implementation, as transformers' "llama3").
+    rope_scaling: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     @classmethod
     def from_config(cls, m, max_seq_len: int) -> "LlamaArgs":
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                    ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, norm_eps=m.norm_eps,
                    rope_theta=m.rope_theta, max_seq_len=max_seq_len,
-                   tie_embeddings=m.tie_embeddings, init_std=m.init_std)
+                   tie_embeddings=m.tie_embeddings, init_std=m.init_std, rope_scaling=m.rope_scaling,
+                   rope_low_freq_factor=m.rope_low_freq_factor, rope_high_freq_factor=m.rope_high_freq_factor,
+                   rope_original_max_seq_len=m.rope_original_max_seq_len)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of every (position, frequency) pair, stacked: shape (2, seq_len, head_dim // 2)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+def rope_frequencies(a: "LlamaArgs", device=None) -> torch.Tensor:
+    """The rotation frequency of each channel pair, Llama 3.1's scaling applied where configured."""
+    hd = a.head_dim
+    freqs = 1.0 / (a.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    if a.rope_scaling <= 0:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = a.rope_original_max_seq_len / a.rope_low_freq_factor
+    high_wavelen = a.rope_original_max_seq_len / a.rope_high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, freqs / a.rope_scaling, freqs)
+    smooth = (a.rope_original_max_seq_len / wavelen - a.rope_low_freq_factor) / \
+        (a.rope_high_freq_factor - a.rope_low_freq_factor)
+    blended = (1 - smooth) * scaled / a.rope_scaling + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(a: "LlamaArgs", device=None) -> torch.Tensor:
+    """cos and sin of every (position, frequency) pair, stacked: shape (2, max_seq_len, head_dim // 2)."""
+    angles = torch.outer(torch.arange(a.max_seq_len, device=device, dtype=torch.float32), rope_frequencies(a, device))
     return torch.stack((angles.cos(), angles.sin()))
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by their position's angle."""
+    """Rotate x (batch, seq, heads, head_dim) by each position's angles, channel i paired with channel
+    i + head_dim/2 (the "rotate half" layout of Hugging Face's Llama, so that its checkpoints load
+    as they are; Meta's original pairs 2i with 2i+1, which conversions permute)."""
     seq = x.shape[1]
     cos = rope[0, :seq].view(1, seq, 1, -1)
     sin = rope[1, :seq].view(1, seq, 1, -1)
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -131,7 +155,7 @@ class Llama(nn.Module):
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints never carry it.
-        self.register_buffer("rope", rope_tables(a.head_dim, a.max_seq_len, a.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_tables(a), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # Any of these may be None on a pipeline stage that does not own it.
@@ -142,8 +166,7 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        a = self.args
-        self.rope = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=device)
+        self.rope = rope_tables(self.args, device=device)
 
 
 @torch.no_grad()

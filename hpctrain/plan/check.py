@@ -163,6 +163,16 @@ def _data(cfg):
 
 
 @_check
+def _init_from(cfg):
+    """model.init_from: a Hugging Face Llama directory whose config.json and tensor shapes fit the
+    model keys (read from headers only)."""
+    if cfg.model.init_from:
+        from hpctrain.hf import problems as hf_problems
+
+        yield from hf_problems(cfg.model, cfg.model.init_from)
+
+
+@_check
 def _cluster_time(cfg):
     """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
     if cfg.launcher.name not in ("slurm", "sbatch"):

@@ -105,8 +105,14 @@ class Trainer:
         self.ckpt.save(self.step, blocking=blocking)
 
     def resume(self, warn) -> None:
-        """Continue from the newest complete checkpoint in the run directory, if there is one."""
+        """Continue from the newest complete checkpoint in the run directory, if there is one; else
+        start from model.init_from's weights where given."""
         self.resumed_from = self.ckpt.resume(warn)
+        if self.resumed_from is None and self.cfg.model.init_from:
+            from hpctrain.checkpoint.hf_io import load_hf
+
+            load_hf(self.parts, self.cfg.model.init_from, bool(self.cfg.model.tie_embeddings))
+            log.info("weights from %s", self.cfg.model.init_from)
 
     # ------------------------------------------------------------ one step
 

@@ -1,0 +1,128 @@
+"""Weights in and out of the Hugging Face Llama format (names and shapes in hpctrain.hf).
+
+In: `load_hf(parts, path)` fills this rank's parameters (any layout: FSDP2, TP, PP shards, offloaded)
+from a directory of safetensors files with DCP's HuggingFaceStorageReader: every rank plans its reads
+from its own shards and reads only those slices; no tensor is materialized whole anywhere.
+
+Out: `export_hf(step_dir, out_dir, dtype)` writes config.json and safetensors files of at most
+`shard_bytes` with their index, from a checkpoint of any layout, one tensor at a time: the headers are
+planned from the checkpoint's metadata before any tensor is read, then each tensor is read (resharded
+by DCP into one whole tensor), cast, written and dropped, so memory stays at the largest tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from hpctrain import hf
+
+SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_hf(parts: list, path: str | os.PathLike, tied: bool) -> int:
+    """Load a Hugging Face Llama's weights into this rank's model parts; all ranks call it together.
+    `tied`: the output projection is the embedding (not stored separately). Returns how many tensors
+    this rank loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {}
+    for part in parts:
+        for name, t in get_model_state_dict(part).items():
+            if name == "output.weight" and tied:
+                continue  # the embedding is loaded; the output is the same tensor
+            state[hf.to_hf(name)] = t
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path), thread_count=4))
+    return len(state)
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def _plan_shards(sizes: list[tuple[str, int]], shard_bytes: int) -> list[list[str]]:
+    shards, cur, used = [], [], 0
+    for name, n in sizes:
+        if cur and used + n > shard_bytes:
+            shards.append(cur)
+            cur, used = [], 0
+        cur.append(name)
+        used += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "keep",
+              shard_bytes: int = 5 << 30) -> dict:
+    """Write the checkpoint's model as a Hugging Face Llama directory; returns the index."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
+    from hpctrain.rundir import read_info
+
+    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    md = read_metadata(step_dir)
+    check_files(step_dir, md)
+    info = read_info(step_dir)
+    from omegaconf import OmegaConf
+
+    from hpctrain.config import ModelConfig
+
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), info["config"]["model"])
+    seq_len = info["config"]["data"]["seq_len"]
+    names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
+    if model_cfg.tie_embeddings:
+        names = [n for n in names if n != "output.weight"]
+    order = sorted(names, key=_hf_order)
+    target = {n: DTYPES[dtype] if dtype != "keep" else md.state_dict_metadata[f"model.{n}"].properties.dtype
+              for n in order}
+    sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
+    shards = _plan_shards(sizes, shard_bytes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        header, offset = {}, 0
+        for n in shard:
+            shape = list(md.state_dict_metadata[f"model.{n}"].size)
+            nbytes = md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize
+            header[hf.to_hf(n)] = {"dtype": SAFETENSORS_DTYPE[target[n]], "shape": shape,
+                                   "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        tmp = out_dir / f".{fname}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for n in shard:
+                state: dict = {}
+                _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
+                                 planner=_EmptyStateDictLoadPlanner(keys={f"model.{n}"}), no_dist=True)
+                t = state["model"][n] if "model" in state else state[f"model.{n}"]
+                f.write(t.detach().to(target[n]).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                weight_map[hf.to_hf(n)] = fname
+                total += t.numel() * target[n].itemsize
+                del t, state
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(out_dir / fname)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / hf.INDEX).write_text(json.dumps(index, indent=1))
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target[order[0]]]
+    (out_dir / hf.CONFIG).write_text(json.dumps(hf.to_config(model_cfg, seq_len, dtype_name), indent=1))
+    return index
+
+
+def _hf_order(name: str) -> tuple:
+    """Embedding, blocks in order, final norm, output: the order transformers writes."""
+    if name.startswith("layers."):
+        i, rest = name[len("layers."):].split(".", 1)
+        return (1, int(i), rest)
+    return (0 if name.startswith("tok_") else 2, 0, name)
