@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import List, Optional
 
 
 class Choice(str, Enum):
@@ -102,11 +102,26 @@ class OptimConfig:
 
 
 @dataclass
+class SourceConfig:
+    path: str = "???"  # a directory made by `python -m hpctrain.data.prepare`
+    weight: float = 1.0  # relative share of the training stream
+
+
+@dataclass
 class DataConfig:
     source: DataSource = DataSource("synthetic")
     path: Optional[str] = None  # directory made by `python -m hpctrain.data.prepare`
+    # A mixture instead of one path: data.sources='[{path: A, weight: 3}, {path: B, weight: 1}]'.
+    # Every source must come from the same tokenizer; validation mixes their val splits alike.
+    sources: List[SourceConfig] = field(default_factory=list)
     seq_len: int = 64
     seed: int = 1234
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # validation loss every N steps and after the last one; 0 = never
+    batches: int = 4  # global batches (train.global_batch sequences each) of the validation split per evaluation
 
 
 @dataclass
@@ -244,6 +259,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -3,7 +3,8 @@
     python tests/layout_worker.py OUT.json STEPS 'override ...' 'override ...' ...
 
 Each argument after STEPS is one layout (space-separated overrides on top of tests' common ones);
-rank 0 writes {layout: {"loss": [...], "grad_norm": [...], "mem": [...]}} to OUT.json.
+rank 0 writes {layout: {"loss": [...], "grad_norm": [...], "val": validation loss after the last
+step}} to OUT.json.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def main() -> None:
             loss, norm = t.train_step()
             losses.append(loss.item())
             norms.append(float(norm))
-        return {"loss": losses, "grad_norm": norms}
+        return {"loss": losses, "grad_norm": norms, "val": t.evaluate()}
 
     over_layouts(out, layouts, one)
 

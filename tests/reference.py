@@ -48,6 +48,13 @@ def lr_at(step: int, o, total: int) -> float:
 
 def reference_losses(cfg, steps: int | None = None, workdir: Path | None = None) -> tuple[list[float], list[float]]:
     """Per-step (loss, grad_norm) of transformers' Llama seeing the whole global batch at once."""
+    run = reference_run(cfg, steps, workdir)
+    return run["loss"], run["grad_norm"]
+
+
+def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) -> dict:
+    """{"loss", "grad_norm"} per step, and "val": the mean loss after the last step on the first
+    eval.batches x global_batch samples of the validation split, in order."""
     import tempfile
 
     from transformers import LlamaForCausalLM
@@ -81,4 +88,9 @@ def reference_losses(cfg, steps: int | None = None, workdir: Path | None = None)
         opt.zero_grad()
         losses.append(loss.item())
         norms.append(norm.item())
-    return losses, norms
+    val_data = build_dataset(cfg, "val")
+    rows = torch.stack([torch.as_tensor(val_data[i]) for i in range(cfg.eval.batches * B)])
+    with torch.no_grad():
+        logits = model(input_ids=rows[:, :-1]).logits
+        val = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
+    return {"loss": losses, "grad_norm": norms, "val": val}

@@ -143,7 +143,7 @@ def test_shards_dir_without_meta(tmp_path):
 def test_shards_vocab_larger_than_model(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("hello world " * 50)
-    prepare(tmp_path / "src", tmp_path / "out")
+    prepare(tmp_path / "src", tmp_path / "out", val_fraction=0)
     msg = refusal("data=shards", f"data.path={tmp_path / 'out'}", "model.vocab_size=128", "data.seq_len=16")
     assert_mentions(msg, "model.vocab_size=128", "Fix: model.vocab_size=256")
     # The same shards with a large enough vocabulary pass.

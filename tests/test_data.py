@@ -1,4 +1,5 @@
-"""Datasets (synthetic, byte shards), `python -m hpctrain.data.prepare`, and the resumable sampler."""
+"""Datasets (synthetic, byte shards), the shard format, and the resumable sampler. Tokenized corpora,
+validation splits and mixtures: tests/test_corpus.py."""
 from __future__ import annotations
 
 import json
@@ -72,16 +73,17 @@ def expected_stream(texts) -> bytes:
 def test_prepare_writes_meta_and_shards(corpus, tmp_path):
     src, texts = corpus
     out = tmp_path / "out"
-    meta = prepare(src, out, shard_bytes=200)
+    meta = prepare(src, out, shard_bytes=200, val_fraction=0)
     stream = expected_stream(texts)
     on_disk = json.loads((out / META).read_text())
     assert on_disk == meta == read_meta(out)
-    assert meta["vocab_size"] == 256 and meta["dtype"] == "uint8" and meta["separator"] == 0
-    assert meta["files"] == 4 and meta["total_tokens"] == len(stream)
-    assert len(meta["shards"]) >= 2
-    data = b"".join((out / s["file"]).read_bytes() for s in meta["shards"])
+    assert meta["vocab_size"] == 256 and meta["dtype"] == "uint8" and meta["eos_id"] == 0
+    assert meta["files"] == 4 and meta["documents"] == 4 and list(meta["splits"]) == ["train"]
+    train = meta["splits"]["train"]
+    assert train["tokens"] == len(stream) and len(train["shards"]) >= 2
+    data = b"".join((out / s["file"]).read_bytes() for s in train["shards"])
     assert data == stream
-    for s in meta["shards"]:
+    for s in train["shards"]:
         assert (out / s["file"]).stat().st_size == s["tokens"]
     assert not list(out.glob("*.tmp"))
 
@@ -89,8 +91,8 @@ def test_prepare_writes_meta_and_shards(corpus, tmp_path):
 def test_shard_windows(corpus, tmp_path):
     src, _ = corpus
     out = tmp_path / "out"
-    meta = prepare(src, out, shard_bytes=150)
-    shards = [np.frombuffer((out / s["file"]).read_bytes(), dtype=np.uint8) for s in meta["shards"]]
+    meta = prepare(src, out, shard_bytes=150, val_fraction=0)
+    shards = [np.frombuffer((out / s["file"]).read_bytes(), dtype=np.uint8) for s in meta["splits"]["train"]["shards"]]
     assert len(shards) >= 3
     L = 16
     ds = ShardDataset(out, L)
@@ -115,22 +117,34 @@ def test_shard_windows(corpus, tmp_path):
 
 def test_shards_too_short_for_seq_len(corpus, tmp_path):
     src, _ = corpus
-    prepare(src, tmp_path / "out")
+    prepare(src, tmp_path / "out", val_fraction=0)
     with pytest.raises(ValueError, match="seq_len"):
         ShardDataset(tmp_path / "out", 10_000)
+    with pytest.raises(ValueError, match="no val split.*--val-fraction"):
+        ShardDataset(tmp_path / "out", 16, "val")
     with pytest.raises(FileNotFoundError, match="meta.json"):
         ShardDataset(tmp_path, 16)
 
 
+def test_directories_from_before_splits_read_as_train(tmp_path):
+    # meta.json as prepare wrote it before validation splits: one "shards" list.
+    (tmp_path / "shard-00000.bin").write_bytes(bytes(range(40)))
+    (tmp_path / META).write_text(json.dumps({"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8",
+                                             "separator": 0, "total_tokens": 40,
+                                             "shards": [{"file": "shard-00000.bin", "tokens": 40}]}))
+    ds = ShardDataset(tmp_path, 8)
+    assert len(ds) == 4 and ds[1].tolist() == list(range(8, 17))
+
+
 def _prepare_cli(*args):
     return subprocess.run([sys.executable, "-m", "hpctrain.data.prepare", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_prepare_cli_missing_dir(tmp_path):
     proc = _prepare_cli(tmp_path / "nope", tmp_path / "out")
     assert proc.returncode == 2
-    assert "nope" in proc.stderr and "not a directory" in proc.stderr
+    assert "nope" in proc.stderr and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -140,15 +154,15 @@ def test_prepare_cli_no_matching_files(tmp_path):
     (tmp_path / "src" / "x.bin").write_bytes(b"abc")
     proc = _prepare_cli(tmp_path / "src", tmp_path / "out")
     assert proc.returncode != 0
-    assert "no files ending in" in proc.stderr
+    assert "no files ending in" in proc.stderr and "--ext" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_prepare_cli_ok(corpus, tmp_path):
     src, texts = corpus
-    proc = _prepare_cli(src, tmp_path / "out", "--ext", ".txt,.md")
+    proc = _prepare_cli(src, tmp_path / "out", "--ext", ".txt,.md", "--val-fraction", "0", "--workers", "0")
     assert proc.returncode == 0, proc.stderr
-    assert "data=shards data.path=" in proc.stdout
+    assert "data=shards data.path=" in proc.stdout and "model.vocab_size=256" in proc.stdout
     assert read_meta(tmp_path / "out")["files"] == 2
 
 

@@ -1,5 +1,5 @@
 """Every parallel layout of the engine against the plain single-process reference (tests/reference.py):
-loss and gradient norm per step, fp32 on CPU/gloo. Many layouts share one launch per world size."""
+loss and gradient norm per step and the validation loss after the last, fp32 on CPU/gloo. Many layouts share one launch per world size."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 from hpctrain.compose import compose
 from hpctrain.launch.local import launch
 
-from reference import reference_losses
+from reference import reference_run
 
 STEPS = 4
 # fp32: layouts add the same numbers in other orders (shards, micro-batches, pipeline stages).
@@ -35,7 +35,7 @@ LAYOUTS = {
 def reference():
     from layout_worker import COMMON
 
-    return reference_losses(compose([*COMMON, f"train.steps={STEPS}"]), STEPS)
+    return reference_run(compose([*COMMON, f"train.steps={STEPS}"]), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,12 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("world,layout", [(w, l) for w, ls in LAYOUTS.items() for l in ls])
 def test_layout_matches_single_process(results, reference, world, layout):
     got = results[(world, layout)]
-    ref_loss, ref_norm = reference
+    ref_loss, ref_norm = reference["loss"], reference["grad_norm"]
     for step in range(STEPS):
         assert abs(got["loss"][step] - ref_loss[step]) <= LOSS_TOL * max(1, ref_loss[step]), \
             (step + 1, got["loss"], ref_loss)
         assert abs(got["grad_norm"][step] - ref_norm[step]) <= NORM_TOL * max(1, ref_norm[step]), \
             (step + 1, got["grad_norm"], ref_norm)
+    # Validation (forward only, a sampler of its own; pipeline layouts through schedule.eval) after
+    # the last step, on the same validation samples as the reference.
+    assert abs(got["val"] - reference["val"]) <= LOSS_TOL * max(1, reference["val"]), (got["val"], reference["val"])

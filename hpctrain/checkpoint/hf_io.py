@@ -116,8 +116,35 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / hf.INDEX).write_text(json.dumps(index, indent=1))
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target[order[0]]]
-    (out_dir / hf.CONFIG).write_text(json.dumps(hf.to_config(model_cfg, seq_len, dtype_name), indent=1))
+    config = hf.to_config(model_cfg, seq_len, dtype_name)
+    config.update(_copy_tokenizer(info["config"], out_dir))
+    (out_dir / hf.CONFIG).write_text(json.dumps(config, indent=1))
     return index
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _copy_tokenizer(run_config: dict, out_dir: Path) -> dict:
+    """Put the tokenizer the run trained with beside the weights (from the shard directory, else
+    from model.init_from), so that AutoTokenizer loads the export as it is; returns the config.json
+    keys naming its end-of-document id."""
+    import shutil
+
+    from hpctrain.data.shards import read_meta
+
+    data = run_config.get("data", {})
+    paths = [s["path"] for s in data.get("sources") or []] or [data.get("path")]
+    candidates = [(p, (read_meta(p) or {}).get("eos_id")) for p in paths if p and p != "???"]
+    if run_config["model"].get("init_from"):
+        candidates.append((run_config["model"]["init_from"], None))
+    for src, eos_id in candidates:
+        if (Path(src) / "tokenizer.json").is_file():
+            for name in TOKENIZER_FILES:
+                if (Path(src) / name).is_file():
+                    shutil.copyfile(Path(src) / name, out_dir / name)
+            return {} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}
+    return {}
 
 
 def _hf_order(name: str) -> tuple:

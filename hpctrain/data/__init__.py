@@ -1,15 +1,23 @@
-"""Token datasets without torch: synthetic, memory-mapped shards (numpy arrays per sample), the
-shard format and `python -m hpctrain.data.prepare`. The login node reads shard metadata to check a
-config; the ranks batch samples into tensors with hpctrain.train.sampler."""
+"""Token datasets without torch: synthetic, memory-mapped shards (numpy arrays per sample), weighted
+mixtures of shard directories, the shard format and `python -m hpctrain.data.prepare`. The login node
+reads shard metadata to check a config; the ranks batch samples into tensors with
+hpctrain.train.sampler."""
 from __future__ import annotations
 
 
-def build_dataset(cfg):
-    """The dataset a config names: indexable, each item `seq_len + 1` token ids (input and target)."""
-    if cfg.data.source == "synthetic":
+def build_dataset(cfg, split: str = "train"):
+    """The dataset a config names for `split` ("train" or "val"): indexable, each item `seq_len + 1`
+    token ids (input and target)."""
+    d = cfg.data
+    if d.source == "synthetic":
         from hpctrain.data.synthetic import SyntheticDataset
 
-        return SyntheticDataset(cfg.model.vocab_size, cfg.data.seq_len, cfg.data.seed)
+        return SyntheticDataset(cfg.model.vocab_size, d.seq_len, d.seed, split)
     from hpctrain.data.shards import ShardDataset
 
-    return ShardDataset(cfg.data.path, cfg.data.seq_len)
+    if not d.sources:
+        return ShardDataset(d.path, d.seq_len, split)
+    from hpctrain.data.mixture import Mixture
+
+    return Mixture([ShardDataset(s.path, d.seq_len, split) for s in d.sources],
+                   [float(s.weight) for s in d.sources], d.seed)

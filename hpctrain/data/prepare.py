@@ -1,67 +1,224 @@
-"""Turn a directory of text files into byte-level token shards.
+"""Tokenize a corpus into memory-mapped token shards with a validation split.
 
-    python -m hpctrain.data.prepare <text dir> <out dir> [--shard-mb 64] [--ext .py,.txt,.md]
+    python -m hpctrain.data.prepare SRC OUT [--tokenizer tokenizer.json] [--workers N] [--val-fraction 0.01]
 
-Token ids are the UTF-8 bytes of each file; documents are separated by byte 0, so the
-vocabulary is 256. Any local corpus works, e.g. the Python standard library's sources.
+SRC is a file or a directory of text files (.txt .md .rst .py: one document each), JSON lines and
+Parquet (one document per row, from --text-field). Each document is tokenized with the Hugging Face
+tokenizer.json given (UTF-8 bytes without one) and ends with the end-of-document id. A document goes
+to the validation split by a hash of its position in the corpus, so the split does not depend on the
+number of workers. OUT gets `train-NNNNN.bin`, `val-NNNNN.bin`, a copy of the tokenizer, and meta.json,
+written last: a directory without meta.json is an unfinished prepare.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import json
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from hpctrain.data.documents import PARQUET, TEXT, JSONL, CorpusError, corpus_files, documents
+from hpctrain.data.shards import META, SPLITS
+from hpctrain.data.tokenizer import Encoder, TokenizerError
+
+BATCH_CHARS = 1 << 20  # text per task handed to a worker
 
 
-from hpctrain.data.shards import META
+def is_val(index: int, fraction: float, seed: int) -> bool:
+    """Document `index` belongs to the validation split (a splitmix64 hash below fraction * 2**64)."""
+    z = (index + seed * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) < fraction * 2.0**64
 
-SEPARATOR = 0
+
+class _SplitWriter:
+    """Appends documents to one split's shards, writing a shard once it reaches `shard_tokens`."""
+
+    def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int):
+        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = self.tokens = self.documents = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self.pending.append(ids)
+        self.pending_tokens += len(ids)
+        self.tokens += len(ids)
+        self.documents += 1
+        if self.pending_tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        tmp = self.out / (name + ".tmp")
+        np.concatenate(self.pending).astype(self.dtype, copy=False).tofile(tmp)
+        os.replace(tmp, self.out / name)
+        self.shards.append({"file": name, "tokens": self.pending_tokens})
+        self.pending, self.pending_tokens = [], 0
+
+    def summary(self) -> dict:
+        self.flush()
+        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
 
 
-def prepare(src: Path, out: Path, shard_bytes: int = 64 << 20, exts=(".py", ".txt", ".md", ".rst")) -> dict:
-    files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix in exts)
-    if not files:
-        raise SystemExit(f"no files ending in {', '.join(exts)} under {src}")
-    out.mkdir(parents=True, exist_ok=True)
-    shards, buf, total = [], bytearray(), 0
-
-    def flush():
-        nonlocal buf
-        if buf:
-            name = f"shard-{len(shards):05d}.bin"
-            tmp = out / (name + ".tmp")
-            tmp.write_bytes(bytes(buf))
-            os.replace(tmp, out / name)
-            shards.append({"file": name, "tokens": len(buf)})
-            buf = bytearray()
-
+def _batches(files: list[Path], text_field: str, stats: dict) -> Iterator[list[str]]:
+    batch, chars = [], 0
     for f in files:
-        data = f.read_bytes().replace(b"\0", b"")
-        buf += data + bytes([SEPARATOR])
-        total += len(data) + 1
-        if len(buf) >= shard_bytes:
-            flush()
-    flush()
-    meta = {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint8", "separator": SEPARATOR,
-            "total_tokens": total, "files": len(files), "shards": shards}
-    (out / META).write_text(json.dumps(meta, indent=1))
+        stats["bytes"] += f.stat().st_size
+        for text in documents(f, text_field):
+            batch.append(text)
+            chars += len(text)
+            if chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+_ENCODER: Encoder | None = None
+
+
+def _init_worker(encoder: Encoder) -> None:
+    # One thread per worker process: parallelism comes from the processes.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _ENCODER
+    _ENCODER = encoder
+
+
+def _encode(texts: list[str]):
+    return _ENCODER.encode(texts)
+
+
+def _encoded(encoder: Encoder, batches: Iterator[list[str]], workers: int):
+    """(ids, lengths) per batch, in corpus order; at most 2 batches per worker in flight."""
+    if workers <= 0:
+        for b in batches:
+            yield encoder.encode(b)
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,)) as pool:
+        window: collections.deque = collections.deque()
+        for b in batches:
+            window.append(pool.apply_async(_encode, (b,)))
+            if len(window) >= 2 * workers:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+
+
+def _clear(out: Path) -> None:
+    """Forget a previous prepare in `out`: the index first, so a half-written directory is never read."""
+    (out / META).unlink(missing_ok=True)
+    for split in SPLITS:
+        for p in out.glob(f"{split}-*.bin*"):
+            p.unlink()
+
+
+def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *, eos: str | None = None,
+            workers: int = 0, val_fraction: float = 0.01, seed: int = 0, shard_bytes: int = 64 << 20,
+            exts: tuple[str, ...] = TEXT + JSONL + PARQUET, text_field: str = "text", progress=None) -> dict:
+    src, out = Path(src), Path(out)
+    if not 0 <= val_fraction < 1:
+        raise CorpusError(f"--val-fraction {val_fraction} is outside [0, 1)")
+    files = corpus_files(src, exts)
+    if not files:
+        raise CorpusError(f"no files ending in {', '.join(exts)} under {src}. "
+                          f"Fix: point at the corpus, or list its extensions with --ext")
+    encoder = Encoder(tokenizer, eos)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear(out)
+    shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize)
+    writers = {s: _SplitWriter(out, s, encoder.dtype, shard_tokens) for s in SPLITS}
+    stats, doc, t0, shown = {"bytes": 0}, 0, time.monotonic(), time.monotonic()
+    for ids, lengths in _encoded(encoder, _batches(files, text_field, stats), workers):
+        for piece in np.split(ids, np.cumsum(lengths)[:-1]):
+            writers["val" if is_val(doc, val_fraction, seed) else "train"].add(piece)
+            doc += 1
+        if progress and time.monotonic() - shown > 2:
+            shown = time.monotonic()
+            progress(_line(stats["bytes"], doc, sum(w.tokens for w in writers.values()), shown - t0))
+    if doc == 0:
+        raise CorpusError(f"{src} holds no documents: its {len(files)} file(s) are empty or blank. "
+                          f"Fix: point at a corpus with text (or the right --text-field)")
+    splits = {s: w.summary() for s, w in writers.items() if w.documents}
+    if val_fraction > 0 and "val" not in splits:
+        raise CorpusError(f"{src} has {doc} documents: too few for a validation split of {val_fraction:g}. "
+                          f"Fix: a larger --val-fraction, or --val-fraction 0 to train without validation")
+    meta = {"format": 2, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
+            "tokenizer": _copy_tokenizer(encoder, out), "val_fraction": val_fraction, "seed": seed,
+            "files": len(files), "text_bytes": stats["bytes"], "documents": doc, "splits": splits,
+            "seconds": round(time.monotonic() - t0, 3)}
+    tmp = out / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / META)
     return meta
+
+
+def _copy_tokenizer(encoder: Encoder, out: Path) -> dict:
+    """A copy of tokenizer.json (and its config) beside the shards: training, export and generation
+    then read the very tokenizer the ids came from."""
+    if encoder.path is None:
+        return {"kind": "bytes", "eos": None}
+    src = Path(encoder.path)
+    shutil.copyfile(src, out / "tokenizer.json")
+    config = src.parent / "tokenizer_config.json"
+    if config.is_file():
+        shutil.copyfile(config, out / "tokenizer_config.json")
+    else:
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos}, indent=1))
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()
+    return {"kind": "hf", "file": "tokenizer.json", "eos": encoder.eos, "sha256": digest}
+
+
+def _line(nbytes: int, docs: int, tokens: int, seconds: float) -> str:
+    return (f"prepare: {nbytes / 1e6:,.1f} MB of text, {docs:,} documents, {tokens:,} tokens, "
+            f"{nbytes / 1e6 / max(seconds, 1e-9):,.2f} MB/s")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpctrain.data.prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("src", type=Path)
-    ap.add_argument("out", type=Path)
+    ap.add_argument("src", type=Path, help="a corpus file or directory")
+    ap.add_argument("out", type=Path, help="the shard directory to write (data.path)")
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or model directory (default: UTF-8 bytes)")
+    ap.add_argument("--eos", help="the end-of-document token (default: tokenizer_config.json's, or a usual name)")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="tokenizing processes (0: in this process)")
+    ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation")
+    ap.add_argument("--seed", type=int, default=0, help="which documents go to validation")
+    ap.add_argument("--text-field", default="text", help="the JSON key or Parquet column holding the text")
     ap.add_argument("--shard-mb", type=int, default=64)
-    ap.add_argument("--ext", default=".py,.txt,.md,.rst")
+    ap.add_argument("--ext", default=",".join(TEXT + JSONL + PARQUET), help="file endings to read")
     args = ap.parse_args(argv)
-    if not args.src.is_dir():
-        print(f"error: {args.src} is not a directory", file=sys.stderr)
+    if not args.src.exists():
+        print(f"error: {args.src} does not exist", file=sys.stderr)
         return 2
-    meta = prepare(args.src, args.out, args.shard_mb << 20, tuple(args.ext.split(",")))
-    print(f"{meta['total_tokens']:,} tokens from {meta['files']} files in {len(meta['shards'])} shards -> {args.out}")
-    print(f"train on it with: python -m hpctrain data=shards data.path={args.out.resolve()}")
+    try:
+        meta = prepare(args.src, args.out, args.tokenizer, eos=args.eos, workers=args.workers,
+                       val_fraction=args.val_fraction, seed=args.seed, shard_bytes=args.shard_mb << 20,
+                       exts=tuple(args.ext.split(",")), text_field=args.text_field,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (CorpusError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_line(meta["text_bytes"], meta["documents"], sum(s["tokens"] for s in meta["splits"].values()),
+                meta["seconds"]))
+    for name, s in meta["splits"].items():
+        print(f"  {name}: {s['tokens']:,} tokens, {s['documents']:,} documents, {len(s['shards'])} shards")
+    print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
+    print(f"train on it with: python -m hpctrain data=shards data.path={args.out.resolve()} "
+          f"model.vocab_size={meta['vocab_size']}")
     return 0
 
 

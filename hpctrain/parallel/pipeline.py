@@ -45,3 +45,35 @@ def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn):
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn, device) -> "torch.Tensor":
+    """Mean loss of `micro` [(inputs, targets)] through every stage in order, forward only.
+
+    `stages` maps this rank's stage indices to their modules; `owner[s]` is the pipeline rank of stage
+    s. torch's schedules run forward-only passes (`eval`) for some kinds only (not the V-shaped ones),
+    and validation is a few batches: a plain stage-by-stage relay serves every kind alike. Activations
+    travel in fp32 (exact for bf16 ones) after their shape (under tensor parallel a stage hands on its
+    sequence shard). Only the rank of the last stage gets a non-zero loss.
+    """
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros((), device=device)
+    last = len(owner) - 1
+    for x, y in micro:
+        h = None
+        for s, rank in enumerate(owner):
+            if rank == me:
+                if s > 0 and owner[s - 1] != me:
+                    shape = torch.empty(3, dtype=torch.int64, device=device)
+                    dist.recv(shape, group_src=owner[s - 1], group=group)
+                    h = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
+                    dist.recv(h, group_src=owner[s - 1], group=group)
+                h = stages[s](x.to(device) if s == 0 else h)
+                if s < last and owner[s + 1] != me:
+                    dist.send(torch.tensor(h.shape, dtype=torch.int64, device=device), group_dst=owner[s + 1], group=group)
+                    dist.send(h.float().contiguous(), group_dst=owner[s + 1], group=group)
+        if owner[last] == me:
+            total += loss_fn(h, y.to(device)).detach().float() / len(micro)
+    return total

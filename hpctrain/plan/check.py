@@ -18,7 +18,7 @@ POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
             "model.vocab_size", "data.seq_len", "launcher.nproc", "checkpoint.keep",
             "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
-            "cluster.nodes")
+            "cluster.nodes", "eval.batches")
 
 CHECKS: list[Callable[[Any], Iterator[str]]] = []
 
@@ -73,6 +73,8 @@ def _positive(cfg):
             yield f"{key}={value} must be at least 1"
     if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
         yield f"parallel.dp_shard={cfg.parallel.dp_shard} must be at least 1, or -1 for 'the remaining ranks'"
+    if cfg.eval.every < 0:
+        yield f"eval.every={cfg.eval.every} must be 0 (no validation) or positive"
     if cfg.checkpoint.every < 0:
         yield f"checkpoint.every={cfg.checkpoint.every} must be 0 (save only when preempted) or positive"
     if cfg.optim.lr <= 0:
@@ -145,21 +147,51 @@ def _batch(cfg):
 
 @_check
 def _data(cfg):
-    if cfg.data.source != "shards":
+    """data.path or data.sources: shard directories whose vocabulary fits the model, from one
+    tokenizer, long enough for data.seq_len, with a validation split where eval.every asks for one."""
+    d = cfg.data
+    if d.source != "shards":
+        if d.sources:
+            yield "data.sources is set but data.source=synthetic. Fix: data=shards"
         return
-    path = cfg.data.path
-    if path is None or path == "???" or not os.path.isdir(path):
-        yield (f"data.path={path} is not a directory of token shards. "
-               "Fix: make one with `python -m hpctrain.data.prepare <text dir> <out dir>` and pass data.path=<out dir>")
+    if d.sources and d.path not in (None, "???"):
+        yield "data.path and data.sources are both set. Fix: keep one (a single directory is data.path)"
         return
-    from hpctrain.data.shards import read_meta
+    named = ([(f"data.sources[{i}].path", s.path, s.weight) for i, s in enumerate(d.sources)]
+             if d.sources else [("data.path", d.path, 1.0)])
+    from hpctrain.data.shards import longest_shard, read_meta
 
-    meta = read_meta(path)
-    if meta is None:
-        yield f"data.path={path} holds no meta.json: it was not made by hpctrain.data.prepare"
-    elif meta["vocab_size"] > cfg.model.vocab_size:
-        yield (f"the shards in data.path use {meta['vocab_size']} token ids but model.vocab_size="
-               f"{cfg.model.vocab_size}. Fix: model.vocab_size={meta['vocab_size']}")
+    metas = []
+    for key, path, weight in named:
+        if not weight > 0:
+            yield f"{key.rsplit('.', 1)[0]}.weight={weight}: weights must be positive. Fix: a weight above 0, or drop the source"
+        if path is None or path == "???" or not os.path.isdir(path):
+            yield (f"{key}={path} is not a directory of token shards. "
+                   "Fix: make one with `python -m hpctrain.data.prepare <corpus> <out dir>` and pass " f"{key}=<out dir>")
+            continue
+        meta = read_meta(path)
+        if meta is None:
+            yield (f"{key}={path} holds no meta.json: it was not made by hpctrain.data.prepare, or that was "
+                   f"interrupted. Fix: python -m hpctrain.data.prepare <corpus> {path}")
+            continue
+        metas.append((key, path, meta))
+        if meta["vocab_size"] > cfg.model.vocab_size:
+            yield (f"the tokenizer of {key}={path} has {meta['vocab_size']} token ids but model.vocab_size="
+                   f"{cfg.model.vocab_size}: ids past the embedding would crash the first step. "
+                   f"Fix: model.vocab_size={meta['vocab_size']} (or more)")
+        if longest_shard(meta, "train") < d.seq_len + 1:
+            yield (f"the train split of {key}={path} has no shard of data.seq_len + 1 = {d.seq_len + 1} tokens. "
+                   f"Fix: a smaller data.seq_len, or a larger corpus")
+        if cfg.eval.every > 0 and longest_shard(meta, "val") < d.seq_len + 1:
+            have = "no validation split" if "val" not in meta["splits"] else "a validation split shorter than that"
+            yield (f"eval.every={cfg.eval.every} needs data.seq_len + 1 = {d.seq_len + 1} validation tokens in one "
+                   f"shard of {key}={path}, which has {have}. Fix: prepare it with a larger --val-fraction, "
+                   f"or eval.every=0")
+    tokenizers = {(m.get("tokenizer") or {}).get("sha256", "bytes") for _, _, m in metas}
+    if len(metas) > 1 and (len(tokenizers) > 1 or len({m["vocab_size"] for _, _, m in metas}) > 1):
+        listing = ", ".join(f"{k} ({m['vocab_size']} ids)" for k, _, m in metas)
+        yield (f"data.sources were tokenized differently: {listing}, with {len(tokenizers)} different tokenizers. "
+               f"Fix: prepare every source with the same --tokenizer")
 
 
 @_check

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -90,6 +91,7 @@ class Trainer:
             "rng": RNG(),
         }, total_steps=cfg.train.steps,
             meta={"layout": asdict(self.spec.layout), "config": OmegaConf.to_container(cfg, resolve=True)})
+        self._val_data = None
         self.resumed_from: int | None = None
         self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)
 
@@ -190,6 +192,53 @@ class Trainer:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return loss, norm
 
+    # ------------------------------------------------------------ validation
+
+    def evaluate(self, beat=lambda *a, **k: None) -> float:
+        """Mean loss over eval.batches global batches of the validation split. A sampler of its own
+        reads the same samples every time, so the training stream and its RNG never move."""
+        cfg = self.cfg
+        if self._val_data is None:
+            self._val_data = build_dataset(cfg, "val")
+        sampler = StepSampler(self._val_data, cfg.train.global_batch, cfg.train.micro_batch,
+                              self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
+        total = torch.zeros((), device=self.device)
+        for part in self.parts:
+            part.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(cfg.eval.batches):
+                    beat(self.step, "eval")
+                    total += self._eval_batch(sampler.next_step())
+        finally:
+            for part in self.parts:
+                part.train()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        return total.item() / cfg.eval.batches
+
+    def _eval_batch(self, micro) -> torch.Tensor:
+        if self.schedule is None:
+            loss = torch.zeros((), device=self.device)
+            for x, y in micro:
+                with self._compute_context():
+                    logits = self.parts[0](x.to(self.device))
+                    loss += _plain(self.loss_fn(logits, y.to(self.device)).detach()) / len(micro)
+            return loss
+        from hpctrain.parallel.pipeline import forward_only
+
+        p = self.spec.pipeline
+        owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]
+        with self._compute_context():
+            loss = forward_only(dict(zip(self.par.stage_indices, self.parts)), owner,
+                                self.meshes.world["pp"].get_local_rank(), self.pp_group, micro,
+                                lambda out, y: _plain(self.loss_fn(out, y)), self.device)
+        dist.all_reduce(loss, group=self.pp_group)  # from the rank of the last stage to every pp rank
+        return loss
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.eval.every
+        return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
+
     # ------------------------------------------------------------ the run
 
     def fit(self, preemption: Preemption | None = None, watchdog=None) -> Outcome:
@@ -217,7 +266,8 @@ class Trainer:
                     beat(self.step, "step", dt)
                 first = False
                 losses.append(loss_v)
-                self._log(logger, loss_v, norm_v, lr, dt)
+                val = self.evaluate(beat) if self._eval_due() else None
+                self._log(logger, loss_v, norm_v, lr, dt, val)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
                     status = "preempted"
                     if logger:
@@ -252,8 +302,8 @@ class Trainer:
             logger.event(f"resumed from checkpoint step {self.resumed_from}")
         return logger
 
-    def _log(self, logger, loss: float, norm: float, lr: float, dt: float) -> None:
-        if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps:
+    def _log(self, logger, loss: float, norm: float, lr: float, dt: float, val: float | None = None) -> None:
+        if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps and val is None:
             return
         spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
         if not logger:
@@ -262,7 +312,8 @@ class Trainer:
         peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
         logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
-                   tokens=self.progress.tokens_seen, **spread)
+                   tokens=self.progress.tokens_seen, **spread,
+                   **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}))
         warning = self.stragglers.warning()
         if warning:
             log.warning("%s", warning)

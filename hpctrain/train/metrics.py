@@ -48,7 +48,9 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in values.items():
                 if isinstance(record[k], (int, float)):
-                    self.tb.add_scalar(f"train/{k}", record[k], step)
+                    # val_loss -> val/loss: validation beside training in TensorBoard's groups
+                    tag = f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"
+                    self.tb.add_scalar(tag, record[k], step)
         self._show(step, record)
 
     def event(self, text: str) -> None:
@@ -68,8 +70,10 @@ class MetricsLogger:
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  "
                 f"mem {r['mem_bytes'] / 2**30:.2f} GiB  eta {fmt_duration(eta)}")
+        if "val_loss" in r:
+            line += f"  val loss {r['val_loss']:.4f} ppl {r['val_ppl']:,.2f}"
         if self.live:
-            self.stream.write("\r\033[K" + line + ("\n" if step >= self.total else ""))
+            self.stream.write("\r\033[K" + line + ("\n" if step >= self.total or "val_loss" in r else ""))
         else:
             self.stream.write(line + "\n")
         self.stream.flush()

@@ -1,0 +1,96 @@
+"""A small real corpus and its tokenizer, built on this machine with no download: the docstrings of
+the Python standard library (English prose about programs), one JSON line per module docstring and per top-level class or function, and a byte-level
+BPE tokenizer trained on them by the `tokenizers` library.
+
+    python -m hpctrain.data.example OUT [--mb 2] [--vocab 2048]
+
+writes OUT/corpus.jsonl, OUT/tokenizer.json and OUT/tokenizer_config.json; then
+`python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+EOS = "<|endoftext|>"
+KINDS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
+
+
+def stdlib_documents(limit_bytes: int) -> Iterator[dict]:
+    """{"text", "module"} per documented standard-library module, class and function, in path order, until
+    `limit_bytes` of text. Parsed, never imported."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIP & set(rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts)
+        # One document per module docstring and per top-level class or function (with its methods').
+        for node in [tree, *(n for n in tree.body if isinstance(n, KINDS))]:
+            inner = node.body if node is not tree else []
+            docs = [d for n in [node, *(m for sub in inner for m in ast.walk(sub))]
+                    if isinstance(n, (ast.Module, *KINDS)) and (d := ast.get_docstring(n))]
+            if not docs:
+                continue
+            text = "\n\n".join(docs)
+            yield {"text": text, "module": module}
+            total += len(text.encode())
+            if total >= limit_bytes:
+                return
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (the GPT-2 / Llama 3 family's scheme): any text encodes, nothing is unknown."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    docs = list(stdlib_documents(int(megabytes * 1e6)))
+    with open(out / "corpus.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")
+    tok = train_tokenizer([d["text"] for d in docs], vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
+        "model_max_length": 1 << 20}, indent=1))
+    return {"documents": len(docs), "bytes": sum(len(d["text"].encode()) for d in docs),
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.data.example", description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--mb", type=float, default=2.0, help="megabytes of text (the standard library has ~1.7)")
+    ap.add_argument("--vocab", type=int, default=2048, help="the tokenizer's vocabulary size")
+    args = ap.parse_args(argv)
+    info = build(args.out, args.mb, args.vocab)
+    print(f"{info['documents']} documents, {info['bytes'] / 1e6:.2f} MB -> {args.out / 'corpus.jsonl'}; "
+          f"tokenizer with {info['vocab_size']} ids -> {args.out / 'tokenizer.json'}")
+    print(f"next: python -m hpctrain.data.prepare {args.out / 'corpus.jsonl'} {args.out / 'shards'} "
+          f"--tokenizer {args.out / 'tokenizer.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
