@@ -45,3 +45,24 @@ def slurm():
         from helpers import skip_or_fail
 
         skip_or_fail(f"{why} (run `bash slurm/start.sh` as root on Debian)")
+
+
+@pytest.fixture(scope="session")
+def example_corpus(tmp_path_factory) -> Path:
+    """A small real corpus (standard-library docstrings, corpus.jsonl) and a 512-id BPE tokenizer
+    trained on it (tokenizer.json), as `python -m hpctrain.data.example` makes them."""
+    from hpctrain.data.example import build
+
+    d = tmp_path_factory.mktemp("example")
+    build(d, megabytes=0.3, vocab_size=512)
+    return d
+
+
+@pytest.fixture(scope="session")
+def example_shards(example_corpus, tmp_path_factory) -> Path:
+    """The example corpus tokenized, with a 5% validation split."""
+    from hpctrain.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("example_shards")
+    prepare(example_corpus / "corpus.jsonl", out, example_corpus / "tokenizer.json", val_fraction=0.05)
+    return out
