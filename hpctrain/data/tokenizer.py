@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpctrain.data.shards import dtype_for
+
 # Tried in order when neither --eos nor a tokenizer_config.json beside tokenizer.json names one.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
@@ -45,6 +47,7 @@ class Encoder:
         self._tok = None
         if self.path is None:
             self.vocab_size, self.eos, self.eos_id = 256, None, 0  # bytes: NUL separates documents
+            self.dtype = "uint8"
             return
         tok = self._load()
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -56,6 +59,7 @@ class Encoder:
         self.eos_id = tok.token_to_id(self.eos)
         if self.eos_id is None:
             raise TokenizerError(f"{self.path} has no token {self.eos!r}. Fix: --eos <a token it has>")
+        self.dtype = dtype_for(self.vocab_size)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_tok"} | {"_tok": None}
@@ -69,12 +73,6 @@ class Encoder:
             except Exception as e:  # the Rust side reports a parse error as a plain Exception
                 raise TokenizerError(f"{self.path} is not a tokenizers JSON file ({e})") from None
         return self._tok
-
-    @property
-    def dtype(self) -> str:
-        from hpctrain.data.shards import dtype_for
-
-        return dtype_for(self.vocab_size)
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths): the documents' ids, each followed by the end-of-document id, concatenated."""
