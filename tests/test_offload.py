@@ -394,3 +394,22 @@ def test_dp2_offloaded_resume_matches_uninterrupted(two_ranks, spec):
 @pytest.mark.slow
 def test_dp2_leaves_no_files(two_ranks):
     assert two_ranks["_leftover_files"] == []
+
+
+@pytest.fixture(scope="module")
+def transformers_reference():
+    from offload_worker import COMMON
+    from reference import reference_run
+
+    return reference_run(compose([*COMMON, f"train.steps={STEPS}"]), STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [s for s in [*LAYOUTS, *EXTRA.values()] if "offload=" in s])
+def test_dp2_offload_matches_transformers(two_ranks, transformers_reference, spec):
+    """Offloaded runs against the independent reference too (transformers + torch.optim.AdamW), at the
+    layout tests' tolerance (fp32 sums in other orders), not only against hpctrain without offload."""
+    got, ref = two_ranks[spec], transformers_reference
+    for step in range(STEPS):
+        assert abs(got["loss"][step] - ref["loss"][step]) <= 2e-5 * max(1, ref["loss"][step]), (got["loss"], ref["loss"])
+        assert abs(got["grad_norm"][step] - ref["grad_norm"][step]) <= 1e-4 * max(1, ref["grad_norm"][step])
