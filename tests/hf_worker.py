@@ -1,6 +1,6 @@
 """Multi-rank helpers of tests/test_hf.py:
 
-    python tests/hf_worker.py first_loss OUT.json HF_DIR 'layout' ...   # model.init_from, one step each
+    python tests/hf_worker.py first_loss OUT.json HF_DIR 'layout' ...   # model.init_from, two steps each
     python tests/hf_worker.py save_init RUN_DIR 'layout'                 # a checkpoint of the initial weights
 """
 from __future__ import annotations
@@ -22,14 +22,13 @@ COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2"]
 def first_loss() -> None:
     out, path, layouts = sys.argv[2], sys.argv[3], sys.argv[4:]
 
-    def one(spec: str, d: str, de) -> float:
+    def one(spec: str, d: str, de) -> list[float]:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
         cfg = compose([*COMMON, "model=hf", f"model.init_from={path}", f"launcher.nproc={de.world}",
                        f"run.dir={run}", *spec.split()])
         t = Trainer(cfg, run, torch.device("cpu"))
         t.resume(print)  # no checkpoint here: the weights come from model.init_from
-        loss, _ = t.train_step()
-        return loss.item()
+        return [t.train_step()[0].item() for _ in range(2)]
 
     over_layouts(out, layouts, one)
 

@@ -185,10 +185,12 @@ def test_bad_corpus_files_and_tokenizers_are_named_with_the_fix(example_corpus, 
              "noeos.json has none of the usual end-of-document tokens", "--eos")
     _refused(_prepare_cli(example_corpus / "corpus.jsonl", tmp_path / "o6", "--tokenizer", tmp_path / "noeos.json",
                           "--eos", "</s>"), "has no token '</s>'")
-    # Too few documents for the validation share asked for.
+    # Too few documents for the validation share asked for: shards without a val split, and a warning
+    # (eval.every is refused on them at the login node, see below).
     (tmp_path / "one.txt").write_text("a single document")
-    _refused(_prepare_cli(tmp_path / "one.txt", tmp_path / "o7", "--workers", "0"),
-             "too few for a validation split", "--val-fraction 0")
+    proc = _prepare_cli(tmp_path / "one.txt", tmp_path / "o7", "--workers", "0")
+    assert proc.returncode == 0 and "warning: no validation split" in proc.stderr and "--val-fraction" in proc.stderr
+    assert list(read_meta(tmp_path / "o7")["splits"]) == ["train"]
 
 
 def test_login_node_refuses_a_tokenizer_larger_than_the_model(example_shards, tmp_path):

@@ -133,21 +133,28 @@ def first_loss_in_transformers(cfg, d: Path) -> float:
     return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
 
 
-LAYOUTS = {2: ["parallel.zero=3", "parallel.tp=2 parallel.dp_shard=1", "parallel.pp=2 parallel.dp_shard=1"]}
+LAYOUTS = {2: ["parallel.zero=3", "parallel.tp=2 parallel.dp_shard=1", "parallel.pp=2 parallel.dp_shard=1",
+              "parallel.zero=3 offload=cpu"]}
 
 
 def test_init_from_in_every_layout_starts_where_transformers_is(tmp_path):
+    from reference import reference_run
+
     common = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2"]
     d = hf_dir(compose([*common, "train.seed=7"]), tmp_path / "hf")  # not the weights a fresh run would draw
     cfg = compose([*common, "model=hf", f"model.init_from={d}"])
     check(cfg)
     want = first_loss_in_transformers(cfg, d)
+    # The second step too (transformers + torch AdamW from the same weights): an optimizer that kept
+    # weights of its own from before the import (offload's master copy) would show there.
+    second = reference_run(compose([*common, "train.seed=7"]), 2)["loss"][1]
     out = tmp_path / "out.json"
     rc = launch(tmp_path / "ranks", 2, cmd=[sys.executable, WORKER, "first_loss", str(out), str(d), *LAYOUTS[2]])
     assert rc == 0
     got = json.loads(out.read_text())
     for layout in LAYOUTS[2]:
-        assert abs(got[layout] - want) <= 2e-5 * max(1, want), (layout, got[layout], want)
+        assert abs(got[layout][0] - want) <= 2e-5 * max(1, want), (layout, got[layout], want)
+        assert abs(got[layout][1] - second) <= 2e-5 * max(1, second), (layout, got[layout], second)
 
 
 def test_export_of_a_tp2_pp2_checkpoint_equals_the_one_rank_export(tmp_path):

@@ -143,7 +143,7 @@ def _copy_tokenizer(run_config: dict, out_dir: Path) -> dict:
             for name in TOKENIZER_FILES:
                 if (Path(src) / name).is_file():
                     shutil.copyfile(Path(src) / name, out_dir / name)
-            return {} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}
+            return {} if eos_id is None else {"eos_token_id": eos_id}
     return {}
 
 

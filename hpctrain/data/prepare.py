@@ -152,12 +152,14 @@ def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *,
         raise CorpusError(f"{src} holds no documents: its {len(files)} file(s) are empty or blank. "
                           f"Fix: point at a corpus with text (or the right --text-field)")
     splits = {s: w.summary() for s, w in writers.items() if w.documents}
+    warnings = []
     if val_fraction > 0 and "val" not in splits:
-        raise CorpusError(f"{src} has {doc} documents: too few for a validation split of {val_fraction:g}. "
-                          f"Fix: a larger --val-fraction, or --val-fraction 0 to train without validation")
+        # Not an error: training needs no validation; eval.every is refused on such a directory.
+        warnings.append(f"no validation split: none of the {doc} documents of {src} fell in the {val_fraction:g} "
+                        f"share. For validation, prepare again with a larger --val-fraction")
     meta = {"format": 2, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
             "tokenizer": _copy_tokenizer(encoder, out), "val_fraction": val_fraction, "seed": seed,
-            "files": len(files), "text_bytes": stats["bytes"], "documents": doc, "splits": splits,
+            "files": len(files), "text_bytes": stats["bytes"], "documents": doc, "splits": splits, "warnings": warnings,
             "seconds": round(time.monotonic() - t0, 3)}
     tmp = out / (META + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
                 meta["seconds"]))
     for name, s in meta["splits"].items():
         print(f"  {name}: {s['tokens']:,} tokens, {s['documents']:,} documents, {len(s['shards'])} shards")
+    for w in meta["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
     print(f"train on it with: python -m hpctrain data=shards data.path={args.out.resolve()} "
           f"model.vocab_size={meta['vocab_size']}")
