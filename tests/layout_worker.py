@@ -16,7 +16,7 @@ import torch
 from hpctrain.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts
+from rank_worker import over_layouts, run_rank_of_layouts, train_steps
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0"]
@@ -30,12 +30,7 @@ def main() -> None:
         cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", f"run.dir={run}",
                        *spec.split()])
         t = Trainer(cfg, run, torch.device("cpu"))
-        losses, norms = [], []
-        for _ in range(steps):
-            loss, norm = t.train_step()
-            losses.append(loss.item())
-            norms.append(float(norm))
-        return {"loss": losses, "grad_norm": norms, "val": t.evaluate()}
+        return {**train_steps(t, steps), "val": t.evaluate()}
 
     over_layouts(out, layouts, one)
 

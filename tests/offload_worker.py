@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hpctrain.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts
+from rank_worker import over_layouts, run_rank_of_layouts, train_steps
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0", "offload.chunk_mb=1"]
@@ -64,13 +64,8 @@ def _param_sum(t: Trainer) -> float:
 
 def train(cfg, run: str, steps: int) -> dict:
     t = Trainer(cfg, run, torch.device("cpu"))
-    losses, norms = [], []
-    for _ in range(steps):
-        loss, norm = t.train_step()
-        losses.append(loss.item())
-        norms.append(float(norm))
+    info = {**train_steps(t, steps), "param_sum": _param_sum(t)}
     opt = _plain(t.optimizer)
-    info = {"loss": losses, "grad_norm": norms, "param_sum": _param_sum(t)}
     if hasattr(opt, "host_bytes"):
         info.update(host_bytes=opt.host_bytes(), state_bytes=opt.state_bytes(),
                     model_clean=_model_holds_no_state(t), host_params=_fsdp_host_params(t))

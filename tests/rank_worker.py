@@ -32,6 +32,16 @@ def over_layouts(out: str, layouts: list[str], one: Callable[[str, str, Any], An
     dist.destroy_process_group()
 
 
+def train_steps(trainer, steps: int) -> dict:
+    """{"loss": [...], "grad_norm": [...]} of `steps` optimizer steps of a Trainer."""
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, norm = trainer.train_step()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    return {"loss": losses, "grad_norm": norms}
+
+
 def run_rank_of_layouts(main: Callable[[], None]) -> None:
     """Run `main`, then leave without interpreter finalization (gloo's threads may still be up)."""
     main()
