@@ -113,6 +113,7 @@ def overwrite_problem(run_dir: str | os.PathLike, resume: bool) -> str | None:
 
 ATTEMPTS = "attempts"
 INTERRUPTIONS = "interruptions.jsonl"
+CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per completed save: step, seconds, blocked_s, async, bytes
 
 
 def attempt_dir(run_dir: str | os.PathLike, attempt: int) -> Path:

@@ -38,7 +38,7 @@ from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
-from hpctrain.rundir import overwrite_problem
+from hpctrain.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
 from hpctrain.faults import wrap_writer
 
 log = logging.getLogger("hpctrain")
@@ -272,7 +272,13 @@ class CheckpointManager:
             dist.barrier(group=self._pg)  # nobody reads the checkpoint before it is visible
             self.saves.append({"step": p.step, "blocked_s": time.perf_counter() - p.started, "async": False})
         self.last_saved = p.step
-        log.info("checkpoint step %d saved (%.2f s)", p.step, time.perf_counter() - p.started)
+        seconds = time.perf_counter() - p.started
+        log.info("checkpoint step %d saved (%.2f s)", p.step, seconds)
+        if self.rank == 0:  # for people and the run report: how long saves take, and how long they block
+            blocked = next((r["blocked_s"] for r in reversed(self.saves) if r["step"] == p.step), seconds)
+            append_jsonl(self.run_dir / CHECKPOINT_LOG, {
+                "step": p.step, "seconds": round(seconds, 4), "blocked_s": round(blocked, 4),
+                "async": not p.blocking, "bytes": store.disk_usage(final), "time": time.time()})
 
     # --------------------------------------------------------------- loading
 

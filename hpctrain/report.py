@@ -1,0 +1,321 @@
+"""A run's report for people: `python -m hpctrain.report RUN_DIR [--out DIR]` writes report.html and
+its PNG plots (default: RUN_DIR/report/) from the files the run leaves: metrics.jsonl, plan.json,
+checkpoints.jsonl, interruptions.jsonl, attempts.jsonl, outcome.json. It reads nothing else, so it
+works on a run still in progress and on a run directory copied elsewhere; every link is relative.
+
+Plots: loss (training and validation) against steps and tokens; tokens/s and MFU over wall time
+(interruptions shaded); step time with the spread over ranks and the plan's prediction; memory with
+the plan's; checkpoint save times. Tables: the plan beside what was measured, validation, the
+interruptions and goodput.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hpctrain.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
+
+GiB = 2**30
+
+
+@dataclass
+class Run:
+    dir: Path
+    metrics: list[dict]
+    plan: dict = field(default_factory=dict)
+    checkpoints: list[dict] = field(default_factory=list)
+    interruptions: list[dict] = field(default_factory=list)
+    attempts: list[dict] = field(default_factory=list)
+    outcome: Optional[dict] = None
+
+    @property
+    def val(self) -> list[dict]:
+        return [m for m in self.metrics if "val_loss" in m]
+
+    def measured_step_s(self) -> Optional[float]:
+        """Median step time over the second half of the logged steps (warm-up left out)."""
+        times = [m["step_time_s"] for m in self.metrics if "step_time_s" in m]
+        return statistics.median(times[len(times) // 2:]) if times else None
+
+
+def _json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load(run_dir: str | Path) -> Run:
+    d = Path(run_dir)
+    metrics = read_jsonl(d / "metrics.jsonl")
+    if not metrics and not (d / "plan.json").exists():
+        raise ValueError(f"{d} holds neither metrics.jsonl nor plan.json: not an hpctrain run directory "
+                         f"(run.dir of a run). Fix: pass the run.dir printed when the run started")
+    checkpoints = {c["step"]: c for c in read_jsonl(d / CHECKPOINT_LOG)}  # a step saved twice: the last
+    return Run(d, metrics, _json(d / "plan.json") or {}, [checkpoints[s] for s in sorted(checkpoints)],
+               read_jsonl(d / INTERRUPTIONS), read_jsonl(d / "attempts.jsonl"), _json(d / OUTCOME))
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+def _axes(n: int = 1, width: float = 6.5):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n, figsize=(width * n, 3.6), squeeze=False)
+    return fig, list(axes[0])
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def plot_loss(run: Run, out: Path) -> Optional[str]:
+    train = [m for m in run.metrics if "loss" in m]
+    if not train:
+        return None
+    fig, (by_step, by_tokens) = _axes(2)
+    for ax, x in ((by_step, "step"), (by_tokens, "tokens")):
+        ax.plot([m.get(x, m["step"]) for m in train], [m["loss"] for m in train], lw=1, label="training")
+        if run.val:
+            ax.plot([m.get(x, m["step"]) for m in run.val], [m["val_loss"] for m in run.val], "o-", color="C3",
+                    label="validation")
+        ax.set_xlabel(x)
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(fig, out / "loss.png")
+
+
+def _breaks(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """A gap in the line where the time between records is far above the usual (a restart)."""
+    gaps = [b - a for a, b in zip(xs, xs[1:])]
+    if not gaps:
+        return xs, ys
+    limit = 5 * statistics.median(gaps)
+    ox, oy = [xs[0]], [ys[0]]
+    for (a, b), y in zip(zip(xs, xs[1:]), ys[1:]):
+        if b - a > limit:
+            ox.append(float("nan"))
+            oy.append(float("nan"))
+        ox.append(b)
+        oy.append(y)
+    return ox, oy
+
+
+def plot_throughput(run: Run, out: Path) -> Optional[str]:
+    rows = [m for m in run.metrics if m.get("tokens_per_s") and "time" in m]
+    if not rows:
+        return None
+    t0 = rows[0]["time"]
+    fig, (ax,) = _axes(1, 9)
+    ax.plot(*_breaks([(m["time"] - t0) / 60 for m in rows], [m["tokens_per_s"] for m in rows]), lw=1,
+            label="tokens/s")
+    ax.set_xlabel("minutes since the first logged step")
+    ax.set_ylabel("tokens/s")
+    for r in run.interruptions:  # from the failure to the first step after the restart
+        if r.get("failed_at") and r.get("first_step_at"):
+            ax.axvspan((r["failed_at"] - t0) / 60, (r["first_step_at"] - t0) / 60, color="C3", alpha=0.2,
+                       label=f"interrupted: {r.get('cause', '?')}")
+    per = rows[0].get("mfu", 0) / rows[0]["tokens_per_s"]  # MFU is tokens/s times a constant of the run
+    if per > 0:
+        mfu = ax.secondary_yaxis("right", functions=(lambda t: 100 * per * t, lambda m: m / (100 * per)))
+        mfu.set_ylabel("MFU %")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "throughput.png")
+
+
+def plot_step_time(run: Run, out: Path) -> Optional[str]:
+    rows = [m for m in run.metrics if "step_time_s" in m]
+    if not rows:
+        return None
+    fig, (ax,) = _axes(1, 9)
+    steps = [m["step"] for m in rows]
+    ax.plot(steps, [m["step_time_s"] for m in rows], lw=1, label="rank 0")
+    spread = [m for m in rows if "step_time_max" in m]
+    if spread:
+        ax.fill_between([m["step"] for m in spread], [m["step_time_min"] for m in spread],
+                        [m["step_time_max"] for m in spread], alpha=0.3, color="C1", label="fastest to slowest rank")
+    if run.plan.get("step_time_s"):
+        ax.axhline(run.plan["step_time_s"], ls="--", color="k", label="the plan's prediction")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / "step_time.png")
+
+
+def plot_memory(run: Run, out: Path) -> Optional[str]:
+    rows = [m for m in run.metrics if "mem_bytes" in m]
+    if not rows:
+        return None
+    fig, (ax,) = _axes(1, 9)
+    ax.plot([m["step"] for m in rows], [m["mem_bytes"] / GiB for m in rows], label="measured on rank 0 (peak allocated on GPU, peak RSS on CPU)")
+    if run.plan.get("memory_per_gpu_bytes"):
+        ax.axhline(run.plan["memory_per_gpu_bytes"] / GiB, ls="--", color="k", label="the plan: device memory per rank")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / "memory.png")
+
+
+def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
+    if not run.checkpoints:
+        return None
+    fig, (ax,) = _axes(1, 9)
+    labels = [str(c["step"]) for c in run.checkpoints]
+    ax.bar(labels, [c["seconds"] for c in run.checkpoints], color="C0", label="save, start to on disk")
+    ax.bar(labels, [c["blocked_s"] for c in run.checkpoints], color="C1", width=0.4, label="training blocked")
+    ax.set_xlabel("checkpoint step")
+    ax.set_ylabel("seconds")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, out / "checkpoints.png")
+
+
+PLOTS = {
+    "loss.png": ("Loss", plot_loss),
+    "throughput.png": ("Throughput and MFU", plot_throughput),
+    "step_time.png": ("Step time", plot_step_time),
+    "memory.png": ("Memory", plot_memory),
+    "checkpoints.png": ("Checkpoint saves", plot_checkpoints),
+}
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+def status(run: Run) -> str:
+    if run.outcome:
+        return f"{run.outcome.get('status', '?')} at step {run.outcome.get('step', '?')}"
+    last = run.metrics[-1]["step"] if run.metrics else 0
+    return f"in progress, or stopped without an outcome: last logged step {last}"
+
+
+def plan_rows(run: Run) -> list[tuple[str, str, str]]:
+    """(quantity, the plan's prediction, measured)."""
+    p, rows = run.plan, []
+    measured = run.measured_step_s()
+    if p.get("step_time_s") or measured:
+        rows.append(("step time (s)", _num(p.get("step_time_s")), _num(measured)))
+    tps = [m["tokens_per_s"] for m in run.metrics[len(run.metrics) // 2:] if "tokens_per_s" in m]
+    if p.get("tokens_per_s") or tps:
+        rows.append(("tokens/s", _num(p.get("tokens_per_s")), _num(statistics.median(tps) if tps else None)))
+    mfu = [m["mfu"] for m in run.metrics[len(run.metrics) // 2:] if "mfu" in m]
+    if p.get("mfu") or mfu:
+        rows.append(("MFU", _pct(p.get("mfu")), _pct(statistics.median(mfu) if mfu else None)))
+    mem = [m["mem_bytes"] for m in run.metrics if "mem_bytes" in m]
+    if p.get("memory_per_gpu_bytes") or mem:
+        rows.append(("memory per rank (GiB)", _num(p["memory_per_gpu_bytes"] / GiB if p.get("memory_per_gpu_bytes") else None),
+                     _num(max(mem) / GiB if mem else None)))
+    return rows
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:,.4g}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _table(header: list[str], rows: list) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def render(run: Run, images: dict[str, str], goodput_text: Optional[str]) -> str:
+    """The HTML page (pure): `images` maps file name -> title of the plots that were drawn."""
+    parts = [f"<h1>hpctrain run: {html.escape(run.dir.name)}</h1>",
+             f"<p>Status: {html.escape(status(run))}. Plan: {html.escape(_plan_line(run.plan))}</p>"]
+    if run.val:
+        best = min(run.val, key=lambda m: m["val_loss"])
+        last = run.val[-1]
+        parts.append("<h2>Validation</h2>" + _table(
+            ["", "step", "validation loss", "perplexity"],
+            [("last", last["step"], f"{last['val_loss']:.4f}", f"{last['val_ppl']:,.2f}"),
+             ("best", best["step"], f"{best['val_loss']:.4f}", f"{best['val_ppl']:,.2f}")]))
+    rows = plan_rows(run)
+    if rows:
+        parts.append("<h2>The plan beside the run</h2>" + _table(["", "plan", "measured"], rows))
+    for name, title in images.items():
+        parts.append(f"<h2>{html.escape(title)}</h2><img src=\"{html.escape(name)}\" alt=\"{html.escape(title)}\">")
+    if run.interruptions:
+        keys = ["attempt", "cause", "ranks", "nodes", "checkpoint_step", "steps_redone", "detect_s", "recover_s"]
+        parts.append("<h2>Interruptions</h2>" + _table(keys, [[r.get(k, "") for k in keys] for r in run.interruptions]))
+    if goodput_text:
+        parts.append(f"<h2>Goodput</h2><pre>{html.escape(goodput_text)}</pre>")
+    style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(run.dir.name)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def _plan_line(p: dict) -> str:
+    if not p:
+        return "no plan.json"
+    lay = p.get("layout", {})
+    return (f"model {p.get('model', '?')}, {p.get('world', '?')} ranks (pp {lay.get('pp')} x dp "
+            f"{lay.get('dp_replicate')}x{lay.get('dp_shard')} x tp {lay.get('tp')}, zero {lay.get('zero')}), "
+            f"{p.get('global_batch', '?')} x {p.get('seq_len', '?')} tokens per step, {p.get('precision', '?')}")
+
+
+def _goodput(run: Run) -> Optional[str]:
+    if not run.attempts:
+        return None
+    from hpctrain import goodput
+
+    try:
+        return goodput.report(goodput.measure(run.dir))
+    except (ValueError, KeyError, ZeroDivisionError):
+        return None  # a run too young to say
+
+
+def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
+    run = load(run_dir)
+    out = Path(out) if out else run.dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = {}
+    for name, (title, plot) in PLOTS.items():
+        if plot(run, out):
+            images[name] = title
+        else:
+            (out / name).unlink(missing_ok=True)  # from an earlier report: no longer true
+    page = out / "report.html"
+    page.write_text(render(run, images, _goodput(run)))
+    return page
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--out", type=Path, help="where report.html and the PNGs go (default: RUN_DIR/report)")
+    a = ap.parse_args(argv)
+    try:
+        page = write(a.run_dir, a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
