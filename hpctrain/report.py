@@ -290,6 +290,11 @@ def _goodput(run: Run) -> Optional[str]:
 
 def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     run = load(run_dir)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("the report draws with matplotlib, which is not installed. "
+                         "Fix: pip install matplotlib (or hpctrain[report])") from None
     out = Path(out) if out else run.dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     images = {}
