@@ -39,7 +39,8 @@ DataSource = _choice("DataSource", "synthetic shards")
 Precision = _choice("Precision", "fp32 bf16")
 OffloadTarget = _choice("OffloadTarget", "none cpu nvme")
 OffloadKernel = _choice("OffloadKernel", "auto cpp compile fused")
-LauncherName = _choice("LauncherName", "local slurm sbatch")
+LauncherName = _choice("LauncherName", "local slurm sbatch k8s")
+WandbMode = _choice("WandbMode", "offline online disabled")
 Backend = _choice("Backend", "auto gloo nccl")
 Device = _choice("Device", "cpu cuda")
 
@@ -133,7 +134,6 @@ class TrainConfig:
     # fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32.
     precision: Precision = Precision("fp32")
     log_every: int = 1
-    tensorboard: bool = False
     compile: bool = False
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
 
@@ -180,6 +180,59 @@ class OffloadConfig:
 
 
 @dataclass
+class TensorBoardLogger:
+    enabled: bool = False  # events in <run.dir>/tensorboard
+
+
+@dataclass
+class WandbLogger:
+    enabled: bool = False
+    project: str = "hpctrain"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode("offline")  # offline: <run.dir>/wandb, synced later with `wandb sync`
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class MLflowLogger:
+    enabled: bool = False
+    tracking_uri: Optional[str] = None  # None: a local file store in <run.dir>/mlruns
+    experiment: str = "hpctrain"
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment trackers beside metrics.jsonl, picked with the `logger` group: `logger=wandb`,
+    several at once with `logger=[tensorboard,wandb,mlflow]`. Rank 0 feeds them; a tracker that
+    fails logs a warning and is dropped, training goes on."""
+    tensorboard: TensorBoardLogger = field(default_factory=TensorBoardLogger)
+    wandb: WandbLogger = field(default_factory=WandbLogger)
+    mlflow: MLflowLogger = field(default_factory=MLflowLogger)
+
+
+@dataclass
+class ProfileConfig:
+    """Off by default, and then free."""
+    # [first, last]: a torch.profiler Chrome trace per rank of these optimizer steps (1-based,
+    # inclusive) in <run.dir>/profile/; [] = none.
+    steps: List[int] = field(default_factory=list)
+    memory: bool = False  # peak memory per phase (forward, backward, optimizer, checkpoint) in metrics
+
+
+@dataclass
+class KubernetesConfig:
+    """launcher=k8s: <run.dir>/k8s.yaml for `kubectl apply -f` (hpctrain.launch.k8s)."""
+    namespace: str = "default"
+    # PersistentVolumeClaim mounted at run.dir's parent in every pod (the run directory must be
+    # shared by all nodes, as on Slurm); None = an emptyDir, for a single node only.
+    volume_claim: Optional[str] = None
+    shm_gb: float = 64.0  # /dev/shm for the data loaders and NCCL
+    service_account: Optional[str] = None
+    node_selector: dict = field(default_factory=dict)
+    port: int = 29500  # rendezvous port on the first pod
+
+
+@dataclass
 class HealthConfig:
     """The pre-flight check every start runs on every node (hpctrain.dist.health)."""
     enabled: bool = True
@@ -201,6 +254,11 @@ class LauncherConfig:
     min_nodes: int = 1  # after losing nodes, go on with at least this many; with fewer, requeue without them
     straggler_ratio: float = 1.5  # a rank this many times slower than the median rank, ...
     straggler_steps: int = 5  # ... for this many logged steps in a row, is named in a warning
+    # launcher=slurm|sbatch: submit N jobs, each starting after the previous ends (afterany), for
+    # clusters whose time limit is shorter than the run; each resumes from the newest checkpoint.
+    chain: int = 1
+    array_parallelism: int = 0  # `-m` sweeps as a Slurm job array: at most this many at once; 0 = no bound
+    k8s: KubernetesConfig = field(default_factory=KubernetesConfig)
 
 
 @dataclass
@@ -244,6 +302,12 @@ class ClusterConfig:
     setup: list = field(default_factory=list)
     sbatch_extra: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    # Containers (pyxis/enroot): every rank runs inside this image via `srun --container-image`; the
+    # supervisor stays on the batch host. Also the pods' image under launcher=k8s.
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)  # "SRC:DST[:FLAGS]"; the run dir is added
+    container_workdir: Optional[str] = None
+    container_python: str = "python"  # the interpreter inside the image
 
 
 @dataclass
@@ -260,6 +324,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -65,7 +65,7 @@ def test_token_shards_train_with_tensorboard(tmp_path):
     run_cli(str(src), str(shards), module="hpctrain.data.prepare")
     run = tmp_path / "run"
     run_cli("+experiment=tiny", "data=shards", f"data.path={shards}", "data.seq_len=32", "train.steps=4",
-            "train.tensorboard=true", f"run.dir={run}")
+            "logger=tensorboard", f"run.dir={run}")
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -28,7 +28,7 @@ def curve(run_dir: Path, key: str) -> list:
 @pytest.fixture(scope="module")
 def with_eval(example_shards, tmp_path_factory):
     d = tmp_path_factory.mktemp("with_eval")
-    proc = run_cli(*common(example_shards), "eval.every=5", "train.tensorboard=true", f"run.dir={d}")
+    proc = run_cli(*common(example_shards), "eval.every=5", "logger=tensorboard", f"run.dir={d}")
     return d, proc
 
 

@@ -297,7 +297,7 @@ class Trainer:
         if self.rank != 0:
             return None
         truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger(self.run_dir, self.cfg.train.steps, self.cfg.train.tensorboard)
+        logger = MetricsLogger(self.run_dir, self.cfg.train.steps, self.cfg.logger.tensorboard.enabled)
         if self.resumed_from is not None:
             logger.event(f"resumed from checkpoint step {self.resumed_from}")
         return logger
