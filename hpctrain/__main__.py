@@ -39,25 +39,38 @@ def summary(cfg) -> str:
             f"run dir: {cfg.run.dir}")
 
 
+def plan_one(overrides: list[str]):
+    """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
+    ConfigError names every problem."""
+    cfg, refused = compose_checked(overrides)
+    if cfg.parallel.auto and not refused:
+        chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
+        cfg = compose([*overrides, *chosen, "parallel.auto=false"])
+        print("parallel=auto chose: " + " ".join(chosen))
+    check(cfg, refused)
+    return cfg, plan_and_check(cfg, for_launch=not cfg.dry_run)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    if any(a in ("-m", "--multirun") for a in argv):
+        from hpctrain.launch.multirun import multirun
+
+        return multirun([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        cfg, refused = compose_checked(overrides)
-        if show_cfg and not refused:
-            print(OmegaConf.to_yaml(cfg), end="")
-            return 0
-        if cfg.parallel.auto and not refused:
-            chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
-            cfg = compose([*overrides, *chosen, "parallel.auto=false"])
-            print("parallel=auto chose: " + " ".join(chosen))
-        check(cfg, refused)
+        if show_cfg:
+            cfg, refused = compose_checked(overrides)
+            if not refused:
+                print(OmegaConf.to_yaml(cfg), end="")
+                return 0
+            check(cfg, refused)
+        cfg, the_plan = plan_one(overrides)
         print(summary(cfg), flush=True)
-        the_plan = plan_and_check(cfg, for_launch=not cfg.dry_run)
         print(plan_summary(the_plan))
         print(f"plan: {write_plan(the_plan, cfg.run.dir)}", flush=True)
         if cfg.dry_run:
@@ -76,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return 2
+    return launch(cfg, run_dir)
 
+
+def launch(cfg, run_dir) -> int:
+    """Start (local) or submit (Slurm) one prepared run directory."""
     if cfg.launcher.name == "local":
         from hpctrain.launch.supervise import supervise
 
@@ -87,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from hpctrain.launch.sbatch import source_root, write_script
 
         path = write_script(cfg, str(run_dir), sys.executable, source_root())
-        print(f"wrote {path}\nsubmit it with:\n  sbatch {shlex.quote(str(path))}\n"
-              f"its log: {run_dir}/logs/slurm-<jobid>.out")
+        how = f"bash {shlex.quote(str(path))}" if path.suffix == ".sh" else f"sbatch {shlex.quote(str(path))}"
+        print(f"wrote {path}\nsubmit it with:\n  {how}\nits log: {run_dir}/logs/slurm-<jobid>.out")
         return 0
     if cfg.launcher.name == "slurm":
         from hpctrain.launch.sbatch import source_root

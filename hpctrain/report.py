@@ -310,11 +310,16 @@ def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("run_dir", type=Path, help="a run directory, or a sweep's (it holds sweep.json)")
     ap.add_argument("--out", type=Path, help="where report.html and the PNGs go (default: RUN_DIR/report)")
     a = ap.parse_args(argv)
     try:
-        page = write(a.run_dir, a.out)
+        if (a.run_dir / "sweep.json").is_file():  # a `python -m hpctrain -m` sweep: compare its elements
+            from hpctrain import sweep_report
+
+            page = sweep_report.write(a.run_dir, a.out)
+        else:
+            page = write(a.run_dir, a.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,16 +24,20 @@ from typing import Any, Optional
 
 from hpctrain.compose import ConfigError
 from hpctrain.launch.allocation import allocation, sbatch_lines
+from hpctrain.launch.chain import chain_script
 from hpctrain.plan.cluster_check import script_problems
 from hpctrain.spec import ranks_per_node
 
 SCRIPT_NAME = "job.sbatch"
+CHAIN_SCRIPT = "chain.sh"
 
 
-def directives(cfg: Any, run_dir: str) -> dict[str, Any]:
-    """The `#SBATCH` options as an ordered mapping (value True = bare flag)."""
-    log = str(Path(run_dir) / "logs").replace("%", "%%") + "/slurm-%j.out"  # %% = a literal % for Slurm
-    return allocation(cfg.cluster, cfg.run.name, more={
+def directives(cfg: Any, run_dir: str, array: Optional[str] = None) -> dict[str, Any]:
+    """The `#SBATCH` options as an ordered mapping (value True = bare flag); `array`: a job array's
+    `--array` (one task per sweep element, `run_dir` then the sweep's directory)."""
+    # %% = a literal % for Slurm; %A_%a = an array task's <array job>_<task>
+    log = str(Path(run_dir) / "logs").replace("%", "%%") + ("/slurm-%A_%a.out" if array else "/slurm-%j.out")
+    return allocation(cfg.cluster, cfg.run.name, more={**({"array": array} if array else {}),
         "signal": f"USR2@{cfg.cluster.signal_lead_s}",  # no B:, so that every task gets it, not only the batch shell
         "requeue": True,
         "no-kill": True,  # a node lost does not end the job: the supervisor goes on without it
@@ -53,8 +57,11 @@ def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
     return lines
 
 
-def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> str:
-    """The batch script for this run. Raises ConfigError for values it cannot write safely."""
+def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None,
+                  array_dirs: Optional[list[str]] = None, array_parallelism: int = 0) -> str:
+    """The batch script for this run, or with `array_dirs` for a sweep: a job array whose task i runs
+    array_dirs[i] (`run_dir` is then the sweep's directory). Raises ConfigError for values it cannot
+    write safely."""
     found = script_problems(cfg, run_dir)
     if found:
         raise ConfigError("cannot write the sbatch script:\n" + "\n".join(f"  - {p}" for p in found))
@@ -63,7 +70,10 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
              f"# hpctrain run {cfg.run.name}: submit with `sbatch {shlex.quote(str(Path(run_dir) / SCRIPT_NAME))}`.",
              "# Written by `python -m hpctrain ... launcher=sbatch`; a requeued job reruns this script and",
              "# resumes from the newest complete checkpoint in the run directory."]
-    lines += sbatch_lines(directives(cfg, run_dir))
+    array = None
+    if array_dirs:
+        array = f"0-{len(array_dirs) - 1}" + (f"%{array_parallelism}" if array_parallelism > 0 else "")
+    lines += sbatch_lines(directives(cfg, run_dir, array))
     lines += ["", "set -euo pipefail"]
     if c.setup:
         # The user's own shell, as written. Without -u: module and conda scripts read unset variables.
@@ -71,11 +81,17 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
     env = exports(cfg, pythonpath)
     if env:
         lines += ["", "# environment: hpctrain's source, cluster.env", *env]
-    supervisor = [python, "-u", "-m", "hpctrain.launch.supervise", str(run_dir)]
+    supervisor = " ".join(shlex.quote(a) for a in [python, "-u", "-m", "hpctrain.launch.supervise"])
+    if array_dirs:
+        lines += ["", "# the sweep's run directories: array task i runs element i",
+                  "run_dirs=(", *[f"  {shlex.quote(str(d))}" for d in array_dirs], ")"]
+        supervisor += ' "${run_dirs[$SLURM_ARRAY_TASK_ID]}"'
+    else:
+        supervisor += " " + shlex.quote(str(run_dir))
     lines += ["",
               f"# {c.nodes} node(s) x {ranks_per_node(c)} task(s), one rank per task, started by the supervisor",
               "# with srun; after a failure it starts them again from the newest checkpoint.",
-              " ".join(shlex.quote(a) for a in supervisor), ""]
+              supervisor, ""]
     return "\n".join(lines)
 
 
@@ -87,11 +103,30 @@ def source_root() -> Optional[str]:
     return None
 
 
-def write_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> Path:
-    path = Path(run_dir) / SCRIPT_NAME
-    text = sbatch_script(cfg, str(run_dir), python, pythonpath)
+def _write(path: Path, text: str) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.chmod(0o755)
     tmp.replace(path)
+    return path
+
+
+def write_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> Path:
+    """<run_dir>/job.sbatch; with launcher.chain > 1 also <run_dir>/chain.sh, which submits the chain.
+    Returns the path to run: the script, or chain.sh."""
+    path = _write(Path(run_dir) / SCRIPT_NAME, sbatch_script(cfg, str(run_dir), python, pythonpath))
+    if cfg.launcher.chain > 1:
+        return _write(Path(run_dir) / CHAIN_SCRIPT, chain_script(path, cfg.launcher.chain))
+    return path
+
+
+def write_array_script(cfg: Any, sweep_dir: str | Path, run_dirs: list[str], python: str,
+                       pythonpath: Optional[str] = None) -> Path:
+    """<sweep_dir>/job.sbatch, one array task per run directory (and chain.sh, as write_script)."""
+    (Path(sweep_dir) / "logs").mkdir(parents=True, exist_ok=True)
+    text = sbatch_script(cfg, str(sweep_dir), python, pythonpath, array_dirs=run_dirs,
+                         array_parallelism=cfg.launcher.array_parallelism)
+    path = _write(Path(sweep_dir) / SCRIPT_NAME, text)
+    if cfg.launcher.chain > 1:
+        return _write(Path(sweep_dir) / CHAIN_SCRIPT, chain_script(path, cfg.launcher.chain, run_dirs))
     return path

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hpctrain.launch import chain
 from hpctrain.launch.allocation import allocation, submitit_parameters
 from hpctrain.launch.sbatch import exports
 from hpctrain.spec import ranks_per_node
@@ -65,30 +66,85 @@ def _drop_stale(folder: Path, job_id: str, before: float) -> None:
             pass
 
 
+def _submit_chain(executor, params: dict, links: int, submit_link) -> list[list]:
+    """Submit `links` links, each after the previous one (afterany); `submit_link()` submits one link
+    and returns its jobs. Returns the jobs of every link."""
+    out, previous = [], None
+    for _ in range(links):
+        extra = {**params.get("additional_parameters", {}), **chain.dependency(previous)}
+        executor.update_parameters(**{**params, "additional_parameters": extra})
+        jobs = submit_link()
+        out.append(jobs)
+        previous = jobs[0].job_id.split("_")[0]  # an array link: its array job id
+    return out
+
+
+def _refused(e: Exception) -> int:
+    # sbatch's refusal arrives as CalledProcessError or submitit's FailedJobError
+    out = getattr(e, "stderr", None) or getattr(e, "output", None) or ""
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    print(f"hpctrain: error: the job was not submitted: {e}{(': ' + out.strip()) if out else ''}", file=sys.stderr)
+    return 1
+
+
 def submit(cfg: Any, run_dir: str | os.PathLike, python: Optional[str] = None,
            pythonpath: Optional[str] = None) -> int:
-    """Submit; print the job id, the run directory and how to follow the log. Returns an exit code."""
+    """Submit (launcher.chain jobs, each after the previous); print the job ids, the run directory and
+    how to follow the log. Returns an exit code."""
     import submitit
 
     run_dir = Path(run_dir)
     folder = run_dir / FOLDER
     executor = submitit.SlurmExecutor(folder=folder, python=python or sys.executable)
-    executor.update_parameters(**executor_parameters(cfg, pythonpath))
     started = time.time() - 1
     try:
-        job = executor.submit(run_task, str(run_dir))
-    except Exception as e:  # sbatch's refusal arrives as CalledProcessError or submitit's FailedJobError
-        out = getattr(e, "stderr", None) or getattr(e, "output", None) or ""
-        if isinstance(out, bytes):
-            out = out.decode(errors="replace")
-        print(f"hpctrain: error: the job was not submitted: {e}{(': ' + out.strip()) if out else ''}",
-              file=sys.stderr)
-        return 1
-    _drop_stale(folder, job.job_id, started)
-    log = folder / f"{job.job_id}_0_log.out"
-    print(f"submitted job {job.job_id} ({cfg.cluster.nodes} node(s) x {ranks_per_node(cfg.cluster)} task(s))\n"
+        links = _submit_chain(executor, executor_parameters(cfg, pythonpath), cfg.launcher.chain,
+                              lambda: [executor.submit(run_task, str(run_dir))])
+    except Exception as e:
+        return _refused(e)
+    ids = [jobs[0].job_id for jobs in links]
+    for job_id in ids:
+        _drop_stale(folder, job_id, started)
+    if len(ids) > 1:
+        chain.write_chain(run_dir, ids)
+    log = folder / f"{ids[0]}_0_log.out"
+    what = f"job {ids[0]}" if len(ids) == 1 else f"a chain of {len(ids)} jobs ({', '.join(ids)}), each after the previous"
+    print(f"submitted {what} ({cfg.cluster.nodes} node(s) x {ranks_per_node(cfg.cluster)} task(s))\n"
           f"run dir: {run_dir}\n"
           f"supervisor:    tail -f {shlex.quote(str(log))}\n"
           f"follow rank 0: tail -f {shlex.quote(str(run_dir / 'logs' / 'rank-0.log'))}\n"
-          f"state:         squeue -j {job.job_id}; sacct -j {job.job_id}")
+          f"state:         squeue -j {','.join(ids)}; sacct -j {','.join(ids)}")
+    return 0
+
+
+def submit_array(base: Any, sweep_dir: str | os.PathLike, cfgs: list, run_dirs: list[str],
+                 python: Optional[str] = None, pythonpath: Optional[str] = None) -> int:
+    """A sweep as one job array (one task per run directory; all share cfgs[0]'s allocation, which
+    the caller checked), launcher.chain times, each array after the previous."""
+    import submitit
+
+    sweep_dir = Path(sweep_dir)
+    executor = submitit.SlurmExecutor(folder=sweep_dir / FOLDER, python=python or sys.executable)
+    params = executor_parameters(cfgs[0], pythonpath)
+    params["job_name"] = str(base.run.name)
+    params["array_parallelism"] = base.launcher.array_parallelism or len(run_dirs)  # submitit's default is 256
+
+    def one_array():
+        with executor.batch():
+            return [executor.submit(run_task, d) for d in run_dirs]
+
+    try:
+        links = _submit_chain(executor, params, base.launcher.chain, one_array)
+    except Exception as e:
+        return _refused(e)
+    if len(links) > 1:
+        for i, d in enumerate(run_dirs):
+            chain.write_chain(d, [jobs[i].job_id for jobs in links])
+    arrays = [jobs[0].job_id.split("_")[0] for jobs in links]
+    bound = f", at most {base.launcher.array_parallelism} at once" if base.launcher.array_parallelism > 0 else ""
+    print(f"submitted job array {', '.join(arrays)}: {len(run_dirs)} task(s){bound}\n"
+          f"sweep dir: {sweep_dir}\n"
+          f"state:     squeue -j {','.join(arrays)}; sacct -j {','.join(arrays)}\n"
+          f"compare:   python -m hpctrain.report {shlex.quote(str(sweep_dir))}")
     return 0

@@ -33,7 +33,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hpctrain.compose import ConfigError, load
-from hpctrain.launch import requeue as slurm_requeue
+from hpctrain.launch import chain, requeue as slurm_requeue
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
 from hpctrain.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
@@ -56,6 +56,12 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        done = read_outcome(self.run_dir) or {}
+        if done.get("status") == "completed" and int(done.get("step", -1)) >= self.cfg.train.steps:
+            # A later link of a chain (or a rerun) on a finished run: nothing to train.
+            say(f"the run already completed at step {done['step']}: nothing to do")
+            self._end_chain()
+            return 0
         attempt = self._next_attempt()
         restarts, last = 0, None
         limit = self.cfg.launcher.max_restarts
@@ -76,6 +82,7 @@ class Supervisor:
             if ended.rc == 0 and outcome.get("status") == "completed":
                 self._poll(force=True)
                 say(f"completed at step {outcome.get('step')}")
+                self._end_chain()
                 return 0
             if ended.rc == 0 and outcome.get("status") == "preempted":
                 return self._preempted(outcome, attempt)
@@ -123,12 +130,20 @@ class Supervisor:
     def _preempted(self, outcome: dict, attempt: int) -> int:
         self._record(Failure("preempted", detail=f"saved at step {outcome.get('step')}", failed_at=time.time()),
                      attempt)
-        if self.slurm:
+        later = chain.later_links(chain.read_chain(self.run_dir), os.environ) if self.slurm else []
+        if later:  # the next link of the chain goes on from this save
+            say(f"saved at step {outcome.get('step')}; the next link of the chain (job {later[0]}) continues the run")
+        elif self.slurm:
             slurm_requeue.requeue(os.environ, self.cfg.cluster.max_requeues)
         else:
             say(f"stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
                 "run the same command again to resume")
         return 0
+
+    def _end_chain(self) -> None:
+        later = chain.later_links(chain.read_chain(self.run_dir), os.environ) if self.slurm else []
+        if later and chain.cancel(later):
+            say(f"the run is complete: cancelled the rest of the chain ({', '.join(later)})")
 
     def _give_up(self, failure: Failure, why: str) -> int:
         rank = failure.ranks[0] if failure.ranks else None

@@ -84,6 +84,19 @@ def _positive(cfg):
 
 
 @_check
+def _launcher(cfg):
+    la = cfg.launcher
+    if la.chain < 1:
+        yield f"launcher.chain={la.chain} must be at least 1 (the number of jobs in the chain)"
+    elif la.chain > 1 and la.name not in ("slurm", "sbatch"):
+        yield (f"launcher.chain={la.chain} chains Slurm jobs; launcher={la.name} has no time limit to chain "
+               "around. Fix: launcher=slurm (or sbatch), or launcher.chain=1")
+    if la.array_parallelism < 0:
+        yield (f"launcher.array_parallelism={la.array_parallelism} must be 0 (no bound) or the number of "
+               "sweep elements to run at once")
+
+
+@_check
 def _layout(cfg):
     p = cfg.parallel
     if min(p.pp, p.dp_replicate, p.tp) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
@@ -271,6 +284,27 @@ def _engine(cfg):
                    f"least pp micro-batches, a multiple of pp for interleaved schedules. "
                    f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // (2 * p.pp))} or a larger "
                    "train.global_batch")
+
+
+@_check
+def _profile(cfg):
+    """profile.steps: [] or [first, last], optimizer steps of this run (1-based, inclusive)."""
+    steps = list(cfg.profile.steps)
+    if not steps:
+        return
+    total = cfg.train.steps
+    if total < 1:
+        return  # _positive says so
+    fix = f"Fix: profile.steps=[first,last] with 1 <= first <= last <= train.steps={total}, e.g. " \
+          f"profile.steps=[{min(2, total)},{min(3, total)}], or profile.steps=[] for none"
+    shown = "[" + ",".join(map(str, steps)) + "]"
+    if len(steps) != 2:
+        yield f"profile.steps={shown} must name two steps, the first and the last to trace. {fix}"
+    elif not 1 <= steps[0] <= steps[1]:
+        yield (f"profile.steps={shown}: the first step must be at least 1 and at most the last "
+               f"(steps count from 1). {fix}")
+    elif steps[1] > total:
+        yield f"profile.steps={shown} goes past the run's last step, train.steps={total}. {fix}"
 
 
 @_check
