@@ -1,5 +1,4 @@
-"""Against the real single-machine Slurm (slurm/start.sh): a job that hits its time limit or is
-requeued by hand saves collectively, goes back in the queue, resumes by itself and ends with the
+"""Against the real single-machine Slurm (slurm/start.sh): a job requeued by hand saves collectively, goes back in the queue, resumes by itself and ends with the
 same per-step losses as an uninterrupted run; a submitit job matches a local run of the same layout."""
 from __future__ import annotations
 
@@ -73,17 +72,5 @@ def test_manual_requeue_saves_resumes_and_matches(slurm, tmp_path):  # noqa: F81
     assert losses(run_dir) == local_reference(tmp_path, steps)
 
 
-@pytest.mark.slurm
-def test_time_limit_saves_requeues_itself_and_matches(slurm, tmp_path):  # noqa: F811
-    # USR2 comes signal_lead_s before the 3-minute limit (Slurm may send it up to a minute early):
-    # between 60 and 120 s into the job, while the slowed-down run still needs ~150 s.
-    steps = 300
-    run_dir = tmp_path / "run"
-    job = submit_sbatch(run_dir, f"train.steps={steps}", "cluster.time=00:03:00", "cluster.signal_lead_s=60",
-                        "cluster.max_requeues=4", fault="slow_step:ms=500")
-    state = wait_for(job, timeout_s=900)
-    log = slurm_log(run_dir, job)
-    assert state == "COMPLETED", log[-3000:]
-    assert "SIGUSR2" in log and "requeueing job" in log and "resumed from checkpoint step" in log, log[-4000:]
-    assert restarts(job) >= 1
-    assert losses(run_dir) == local_reference(tmp_path, steps)
+# The time limit's USR2 (save, then go on in the next job) is tested with job chains in
+# test_slurm_sweep.py, which needs the same 3-minute job.
