@@ -6,7 +6,9 @@ task, `--requeue`, `--no-kill`, `--open-mode=append`, the supervisor's log in
 <run_dir>/logs/slurm-<jobid>.out), the body runs cluster.setup as written, exports cluster.env and
 starts the run's supervisor (`python -m hpctrain.launch.supervise <run_dir>`), which starts one rank
 per task with srun, restarts them after a failure and requeues the job after a preemption save
-(hpctrain.launch.supervise), so the script has no logic of its own for any of it.
+(hpctrain.launch.supervise), so the script has no logic of its own for any of it. With
+cluster.container_image the ranks' srun step runs them in the image (pyxis; hpctrain.launch.container)
+while the script and the supervisor stay on the batch host: the script only says so, in a comment.
 
 Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does (see
 hpctrain.launch.allocation.sbatch_line). A newline cannot be written in a `#SBATCH` line at all and
@@ -23,9 +25,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpctrain.compose import ConfigError
+from hpctrain.launch import container
 from hpctrain.launch.allocation import allocation, sbatch_lines
 from hpctrain.launch.chain import chain_script
-from hpctrain.plan.cluster_check import script_problems
+from hpctrain.plan.cluster_check import container_problems, script_problems
 from hpctrain.spec import ranks_per_node
 
 SCRIPT_NAME = "job.sbatch"
@@ -62,13 +65,15 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
     """The batch script for this run, or with `array_dirs` for a sweep: a job array whose task i runs
     array_dirs[i] (`run_dir` is then the sweep's directory). Raises ConfigError for values it cannot
     write safely."""
-    found = script_problems(cfg, run_dir)
+    found = script_problems(cfg, run_dir) + container_problems(cfg, run_dir, pythonpath)
     if found:
         raise ConfigError("cannot write the sbatch script:\n" + "\n".join(f"  - {p}" for p in found))
     c = cfg.cluster
+    what = f"sweep {cfg.run.name} ({len(array_dirs)} runs, one array task each)" if array_dirs else f"run {cfg.run.name}"
     lines = ["#!/bin/bash",
-             f"# hpctrain run {cfg.run.name}: submit with `sbatch {shlex.quote(str(Path(run_dir) / SCRIPT_NAME))}`.",
-             "# Written by `python -m hpctrain ... launcher=sbatch`; a requeued job reruns this script and",
+             f"# hpctrain {what}: submit with `sbatch {shlex.quote(str(Path(run_dir) / SCRIPT_NAME))}`.",
+             f"# Written by `python -m hpctrain {'-m ' if array_dirs else ''}... launcher=sbatch`; a requeued job reruns "
+             "this script and",
              "# resumes from the newest complete checkpoint in the run directory."]
     array = None
     if array_dirs:
@@ -81,6 +86,10 @@ def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str]
     env = exports(cfg, pythonpath)
     if env:
         lines += ["", "# environment: hpctrain's source, cluster.env", *env]
+    in_image = container.describe(c, "RUN_DIR" if array_dirs else str(run_dir), pythonpath,
+                                  array=bool(array_dirs))
+    if in_image:
+        lines += ["", *in_image]
     supervisor = " ".join(shlex.quote(a) for a in [python, "-u", "-m", "hpctrain.launch.supervise"])
     if array_dirs:
         lines += ["", "# the sweep's run directories: array task i runs element i",
