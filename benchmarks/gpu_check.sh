@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CUDA path of hpctrain, checked unattended in one short run on a lent GPU machine, every
-# figure written to one file: `pytest -m gpu` (tests/test_gpu.py), then benchmarks/gpu_1b.py (the
+# figure written to one file: `pytest -m gpu` (tests/test_gpu.py, the CUDA profiler test), then benchmarks/gpu_1b.py (the
 # bf16 matmul peak, the 1B model with FSDP2 + compile: tokens/s and MFU against that peak and against
 # the planner's prediction for the same shape). About 8 minutes on one H200.
 #
@@ -53,7 +53,7 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 step "pytest -m gpu"
-timeout 360 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log"
+timeout 360 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py tests/test_profile.py 2>&1 | tee "$OUT/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 
 step "benchmarks/gpu_1b.py"

@@ -123,7 +123,7 @@ def main() -> None:
             print(f"rep {rep + 1}/{a.reps}  {k:8s} {c} core(s): {nbytes / 1e6 / s:6.2f} MB/s", flush=True)
     mb_s = {n: nbytes / 1e6 / statistics.median(t) for n, t in times.items()}
     per_core = {n: v / (1 if n.endswith(" 1 core") else cores) for n, v in mb_s.items()}
-    one, many = f"1 core", f"{cores} cores"
+    one, many = "1 core", f"{cores} cores"
     results = {"mb": nbytes / 1e6, "vocab": a.vocab, "cores": cores, "seconds": times, "mb_s": mb_s,
                "per_core_mb_s": per_core,
                "ratio_1_core": mb_s[f"prepare, {one}"] / mb_s[f"baseline, {one}"],

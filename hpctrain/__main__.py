@@ -9,9 +9,9 @@ import sys
 
 from omegaconf import OmegaConf
 
-from hpctrain.compose import ConfigError, compose
+from hpctrain.compose import ConfigError
 from hpctrain.plan.check import check, compose_checked
-from hpctrain.plan.login import choose_layout, plan_and_check, write_plan
+from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.report import summary as plan_summary
 from hpctrain.rundir import overwrite_problem, prepare_run_dir
 from hpctrain.spec import engine_spec
@@ -39,18 +39,6 @@ def summary(cfg) -> str:
             f"run dir: {cfg.run.dir}")
 
 
-def plan_one(overrides: list[str]):
-    """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
-    ConfigError names every problem."""
-    cfg, refused = compose_checked(overrides)
-    if cfg.parallel.auto and not refused:
-        chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
-        cfg = compose([*overrides, *chosen, "parallel.auto=false"])
-        print("parallel=auto chose: " + " ".join(chosen))
-    check(cfg, refused)
-    return cfg, plan_and_check(cfg, for_launch=not cfg.dry_run)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -69,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(OmegaConf.to_yaml(cfg), end="")
                 return 0
             check(cfg, refused)
-        cfg, the_plan = plan_one(overrides)
-        print(summary(cfg), flush=True)
+        cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
         print(plan_summary(the_plan))
         print(f"plan: {write_plan(the_plan, cfg.run.dir)}", flush=True)
         if cfg.dry_run:

@@ -12,7 +12,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

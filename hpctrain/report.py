@@ -166,6 +166,12 @@ def plot_memory(run: Run, out: Path) -> Optional[str]:
         return None
     fig, (ax,) = _axes(1, 9)
     ax.plot([m["step"] for m in rows], [m["mem_bytes"] / GiB for m in rows], label="measured on rank 0 (peak allocated on GPU, peak RSS on CPU)")
+    for i, phase in enumerate(("forward", "backward", "forward_backward", "optimizer", "checkpoint")):
+        key = f"mem_{phase}_bytes"  # profile.memory=true: the peak of each phase of the step
+        pts = [m for m in rows if key in m]
+        if pts:
+            ax.plot([m["step"] for m in pts], [m[key] / GiB for m in pts], ".", ms=4, color=f"C{i + 1}",
+                    label=f"peak in {phase.replace('_', '+')}")
     if run.plan.get("memory_per_gpu_bytes"):
         ax.axhline(run.plan["memory_per_gpu_bytes"] / GiB, ls="--", color="k", label="the plan: device memory per rank")
     ax.set_xlabel("step")

@@ -20,7 +20,6 @@ from hpctrain.compose import ConfigError, compose
 from hpctrain.launch.local import launch
 from hpctrain.models.llama import Llama, LlamaArgs
 from hpctrain.plan.check import check
-from hpctrain.rundir import read_jsonl
 
 from helpers import run_cli
 from reference import hf_dir

@@ -1,4 +1,5 @@
-"""The login node never imports torch: composing, checking and planning are pure Python."""
+"""The login node never imports torch (nor the trackers wandb, mlflow, tensorboard): composing, checking
+and planning are pure Python."""
 from __future__ import annotations
 
 import os
@@ -26,6 +27,8 @@ SCRIPT = textwrap.dedent("""
     rc = cli.main(["+experiment=70b", "dry_run=true", "run.dir=" + sys.argv[1]])
     assert rc == 0, rc
     assert "torch" not in sys.modules, "a dry run imported torch"
+    for heavy in ("wandb", "mlflow", "tensorboard"):  # the trackers start on rank 0 only
+        assert heavy not in sys.modules, f"the login node imported {heavy}"
     print("NO_TORCH_OK")
 """)
 

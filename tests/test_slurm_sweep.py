@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

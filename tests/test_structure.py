@@ -20,7 +20,7 @@ TIERS = [
     ("hpctrain.faults", "foundation"), ("hpctrain.data", "foundation"), ("hpctrain.hf", "foundation"),
     # the login node: compose -> check -> plan -> launch
     ("hpctrain.__main__", "login"), ("hpctrain.plan", "login"), ("hpctrain.launch", "login"),
-    ("hpctrain.goodput", "login"), ("hpctrain.report", "login"),
+    ("hpctrain.goodput", "login"), ("hpctrain.report", "login"), ("hpctrain.sweep_report", "login"),
     # every rank
     ("hpctrain.run", "runtime"), ("hpctrain.train", "runtime"), ("hpctrain.dist", "runtime"),
     ("hpctrain.parallel", "runtime"), ("hpctrain.models", "runtime"), ("hpctrain.checkpoint", "runtime"),

@@ -152,9 +152,8 @@ def multirun(overrides: list[str]) -> int:
     """`python -m hpctrain -m ...`; returns the exit code."""
     import sys
 
-    from hpctrain.__main__ import plan_one
     from hpctrain.compose import compose
-    from hpctrain.plan.login import write_plan
+    from hpctrain.plan.login import plan_one, write_plan
     from hpctrain.rundir import overwrite_problem, prepare_run_dir
 
     try:

@@ -1,18 +1,20 @@
 """How the supervisor starts every rank of one attempt and learns how they ended: on this machine
-(launcher=local), or as one srun step inside the job's allocation (launcher=slurm and sbatch)."""
+(launcher=local), or as one srun step inside the job's allocation (launcher=slurm and sbatch), in
+cluster.container_image through pyxis where one is set (hpctrain.launch.container)."""
 from __future__ import annotations
 
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from hpctrain.launch import container
 from hpctrain.launch.failures import srun_failures
 from hpctrain.launch.local import Ended, run_ranks, tail
+from hpctrain.launch.sbatch import source_root
 from hpctrain.rundir import attempt_dir
 from hpctrain.spec import ranks_per_node
 
@@ -43,13 +45,17 @@ class LocalRunner:
 
 class SrunRunner:
     """One srun step per attempt on the chosen nodes of the allocation, one task per rank, each
-    task's output in <run.dir>/logs/rank-N.log."""
+    task's output in <run.dir>/logs/rank-N.log. With cluster.container_image the step runs the
+    ranks in the image (pyxis's --container-* options; the checkout hpctrain runs from is mounted)."""
 
     def __init__(self, cfg, run_dir: Path, env=os.environ):
         self.run_dir = Path(run_dir)
         self.job = env["SLURM_JOB_ID"]
         self.allocation = hostnames(env["SLURM_JOB_NODELIST"])
         self.tpn, self.cpus = ranks_per_node(cfg.cluster), cfg.cluster.cpus_per_task
+        # The job's PYTHONPATH names the checkout this supervisor runs from (hpctrain.launch.sbatch.exports).
+        self.container = container.srun_args(cfg.cluster, str(self.run_dir), source_root())
+        self.python = container.python(cfg.cluster)
         # After the first rank's own report (an error, a hang): how long srun may take to end the step
         # before it is told to. Longer means srun waits for a node that is gone.
         self.grace_s = 10.0
@@ -67,7 +73,15 @@ class SrunRunner:
                 f"--ntasks-per-node={self.tpn}", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 # srun of Slurm 22.05+ does not inherit --cpus-per-task from the allocation.
                 f"--cpus-per-task={self.cpus}", f"--output={self.run_dir}/logs/rank-%t.log", "--open-mode=append",
-                sys.executable, "-u", "-m", "hpctrain.run", str(self.run_dir)]
+                *self.container, self.python, "-u", "-m", "hpctrain.run", str(self.run_dir)]
+
+    def step_env(self, env: dict, attempt: int, base: Optional[dict] = None) -> dict:
+        """The srun step's environment. In a container, MASTER_PORT as the ranks would work it out
+        (hpctrain.dist.bootstrap), kept by --container-env over the one enroot's PyTorch hook sets."""
+        out = {**(os.environ if base is None else base), **env}
+        if self.container:
+            out.setdefault("MASTER_PORT", str(container.master_port(self.job, attempt)))
+        return out
 
     def start(self, attempt: int, nodes: list[str], env: dict, poll: Poll) -> Ended:
         adir = attempt_dir(self.run_dir, attempt)
@@ -75,8 +89,8 @@ class SrunRunner:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         err_path = adir / "srun.log"
         with open(err_path, "wb") as err:
-            self._proc = subprocess.Popen(self.command(nodes, attempt), env={**os.environ, **env}, stdout=err,
-                                          stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(self.command(nodes, attempt), env=self.step_env(env, attempt),
+                                          stdout=err, stderr=subprocess.STDOUT)
             first_report = None
             while self._proc.poll() is None:
                 poll()

@@ -238,6 +238,15 @@ def _cluster_script(cfg):
 
 
 @_check
+def _container(cfg):
+    """cluster.container_* (pyxis): mounts pyxis can read, an image, no container with launcher=local.
+    (The checkout mounted for hpctrain's code is checked where the batch script is written.)"""
+    from hpctrain.plan.cluster_check import container_problems
+
+    yield from container_problems(cfg)
+
+
+@_check
 def _cluster_partition(cfg):
     """Slurm launchers, not on a dry run: the partition exists and holds the nodes and tasks asked for.
     Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""

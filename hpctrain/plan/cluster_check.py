@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Optional
 
 SLURM_LAUNCHERS = ("slurm", "sbatch")
@@ -218,4 +219,104 @@ def script_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
         if not _ENV_NAME.fullmatch(str(key)):
             out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
                        "Fix: use letters, digits and _ (not starting with a digit)")
+    return out
+
+
+# What a mount's path cannot hold: pyxis splits mounts at commas and a mount at colons, and writes each
+# into a shell `echo "SRC DST FLAGS"` line of enroot's config (before pyxis 0.24 without escaping spaces).
+UNSAFE = re.compile(r'[\s,:"$`\\\x00]')
+_MOUNT_SPECIAL = ("tmpfs", "umount")  # pyxis's mount sources that are not paths
+_MOUNT_FLAGS = re.compile(r"[A-Za-z0-9_=-]+(\+[A-Za-z0-9_=-]+)*")
+IMAGE_EXAMPLE = "nvcr.io/nvidia/pytorch:24.05-py3 or a squashfs file, /lustre/images/pytorch.sqsh"
+
+
+def mount_point(path: str) -> Optional[str]:
+    """`path`, or the nearest directory above it that pyxis can mount; None if only / is left."""
+    p = PurePosixPath(path)
+    for candidate in (p, *p.parents):
+        if str(candidate) == "/":
+            return None
+        if not UNSAFE.search(str(candidate)):
+            return str(candidate)
+    return None
+
+
+def container_problems(cfg: Any, run_dir: Optional[str] = None, source: Optional[str] = None) -> list[str]:
+    """cluster.container_* that pyxis would refuse, ignore or misread (hpctrain.launch.container), with
+    `source` the checkout mounted for hpctrain's code (None: installed). launcher=k8s uses the image for
+    its pods and is not checked here."""
+    c, launcher = cfg.cluster, cfg.launcher.name
+    if launcher not in ("local", *SLURM_LAUNCHERS):
+        return []
+    image = c.container_image
+    if image is None:
+        out = []
+        for key, value, unset in (("container_mounts", list(c.container_mounts or []), "[]"),
+                                  ("container_workdir", c.container_workdir, "null")):
+            if value:
+                out.append(f"cluster.{key}={value} is set but cluster.container_image is not, so the ranks would "
+                           f"run outside any container and cluster.{key} would be ignored. Fix: "
+                           f"cluster.container_image=<image>, e.g. {IMAGE_EXAMPLE}; or cluster.{key}={unset} "
+                           "to run without a container")
+        return out
+    if launcher == "local":
+        # Not a warning: the run would train with this machine's Python and libraries while its
+        # config names an image; the user finds out from versions in the logs, if at all.
+        return [f"cluster.container_image={image} is set but launcher=local starts the ranks as processes on "
+                "this machine, not with srun, so no container would run them. Fix: launcher=sbatch or "
+                "launcher=slurm to run in the image (pyxis), or cluster.container_image=null to run here"]
+    out = []
+    if not str(image).strip() or any(ch.isspace() for ch in str(image)):
+        out.append(f"cluster.container_image={str(image)!r} is empty or holds whitespace. Fix: "
+                   f"cluster.container_image=<image>, e.g. {IMAGE_EXAMPLE}; or null for no container")
+    elif str(image).startswith("."):
+        out.append(f"cluster.container_image={image} is a relative path: the ranks start on other nodes. Fix: "
+                   "the squashfs file's absolute path, e.g. cluster.container_image=/lustre/images/pytorch.sqsh")
+    for i, mount in enumerate(c.container_mounts or []):
+        out.extend(_mount_problems(f"cluster.container_mounts[{i}]", str(mount)))
+    workdir = c.container_workdir
+    if workdir is not None and not str(workdir).startswith("/"):
+        out.append(f"cluster.container_workdir={str(workdir)!r} is not an absolute path inside the container. "
+                   "Fix: e.g. cluster.container_workdir=/workspace, or null for the image's own working directory")
+    elif workdir is not None and any(ch in str(workdir) for ch in _UNWRITABLE):
+        out.append(f"cluster.container_workdir={str(workdir)!r} holds a line break. Fix: give it on one line")
+    python = str(c.container_python)
+    if not python.strip() or any(ch in python for ch in _UNWRITABLE):
+        out.append(f"cluster.container_python={python!r} is not a command. Fix: cluster.container_python=python "
+                   "(the image's python on its PATH) or an absolute path inside the image, e.g. /usr/bin/python3")
+    for what, path in (("run.dir", run_dir if run_dir is not None else cfg.run.dir),
+                       ("hpctrain's checkout (on the job's PYTHONPATH)", source)):
+        if path and mount_point(str(path)) is None:
+            fix = ("choose a run.dir whose path (or a directory above it, not /) has none of them"
+                   if what == "run.dir" else
+                   "install hpctrain (pip install .) instead of running it from this checkout, or move the checkout")
+            out.append(f"{what} {str(path)!r} is mounted into the container, but it and every directory above it "
+                       "hold a comma, colon, space, quote, $, ` or backslash, which pyxis's --container-mounts "
+                       f"cannot carry. Fix: {fix}")
+    return out
+
+
+def _mount_problems(key: str, mount: str) -> list[str]:
+    fmt = "SRC:DST[:FLAGS] (FLAGS joined by +, e.g. /lustre/data:/data:ro+rprivate)"
+    if "," in mount:
+        return [f"{key}={mount!r} holds a comma, which pyxis reads as the start of another mount. Fix: give each "
+                f"mount as its own list item, as {fmt}"]
+    parts = mount.split(":")
+    if len(parts) > 3 or any(p == "" for p in parts):
+        return [f"{key}={mount!r} is not a mount: pyxis takes {fmt}; paths cannot hold a colon. Fix: e.g. "
+                "cluster.container_mounts=[/lustre/data:/data:ro]"]
+    paths = [("source", parts[0])] + ([("destination", parts[1])] if len(parts) > 1 else [])  # no DST: SRC
+    out = []
+    if len(parts) == 3 and not _MOUNT_FLAGS.fullmatch(parts[2]):
+        out.append(f"{key}={mount!r}: the flags {parts[2]!r} are not mount options joined by +. Fix: e.g. "
+                   "ro, or ro+rprivate")
+    for what, path in paths:
+        if what == "source" and path in _MOUNT_SPECIAL:
+            continue
+        if not path.startswith("/"):
+            out.append(f"{key}={mount!r}: the {what} {path!r} is not an absolute path. Fix: an absolute path, as "
+                       f"{fmt}")
+        elif UNSAFE.search(path):
+            out.append(f"{key}={mount!r}: the {what} holds a space, quote, $, ` or backslash, which pyxis cannot "
+                       f"pass to enroot. Fix: mount a directory above it whose path has none, as {fmt}")
     return out

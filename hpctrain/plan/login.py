@@ -56,3 +56,20 @@ def write_plan(p, run_dir: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan_dict(p), indent=1, default=float))
     return path
+
+
+def plan_one(overrides: list[str], show=None):
+    """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
+    ConfigError names every problem."""
+    from hpctrain.compose import compose
+    from hpctrain.plan.check import check, compose_checked
+
+    cfg, refused = compose_checked(overrides)
+    if cfg.parallel.auto and not refused:
+        chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
+        cfg = compose([*overrides, *chosen, "parallel.auto=false"])
+        print("parallel=auto chose: " + " ".join(chosen))
+    check(cfg, refused)
+    if show is not None:  # what is about to be priced, shown even when the plan then refuses it
+        show(cfg)
+    return cfg, plan_and_check(cfg, for_launch=not cfg.dry_run)

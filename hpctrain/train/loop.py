@@ -28,6 +28,7 @@ from hpctrain import faults
 from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
 from hpctrain.train.optim import build_optimizer
 from hpctrain.train.preempt import Preemption
+from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.state import Progress, Schedule
 from hpctrain.train.stragglers import Stragglers
 
@@ -152,13 +153,21 @@ class Trainer:
                   for part, s in zip(self.parts, self.par.stage_indices)]
         return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self.loss_fn)
 
+    _memory: Optional[PhaseMemory] = None  # profile.memory: peak memory per phase (set by fit)
+
+    def _phase(self, name: str):
+        """A phase of the step whose peak memory profile.memory records; nothing when it is off."""
+        return contextlib.nullcontext() if self._memory is None else self._memory.phase(name)
+
     def _forward_backward(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self._sync_context(i == len(micro) - 1), self._compute_context():
-                loss = self.loss_fn(self.parts[0](x), y) / len(micro)
-                loss.backward()
+                with self._phase("forward"):
+                    loss = self.loss_fn(self.parts[0](x), y) / len(micro)
+                with self._phase("backward"):
+                    loss.backward()
             loss_sum += _plain(loss.detach())
         return loss_sum
 
@@ -179,13 +188,15 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         micro = self.sampler.next_step()
         if self.schedule is not None:
-            loss = self._pipeline_forward_backward(micro)
+            with self._phase("forward_backward"):  # interleaved inside the pipeline schedule
+                loss = self._pipeline_forward_backward(micro)
         else:
             loss = self._forward_backward(micro)
-        norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip, self.pp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with self._phase("optimizer"):
+            norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip, self.pp_group)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
         self.progress.step += 1
         self.progress.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
         # Every data-parallel rank saw different samples: the step's loss is their mean.
@@ -249,12 +260,20 @@ class Trainer:
         beat(self.step, "load")
         self.resume(log.warning)
         logger = self._logger()
+        # profile.*: off by default, and then nothing is made and nothing is measured.
+        prof = (Profiler(cfg.profile, self.run_dir, self.rank, self.device, logger.event if logger else None)
+                if cfg.profile.steps else None)
+        mem = self._memory = PhaseMemory(self.device) if cfg.profile.memory else None
         preemption = preemption or Preemption().install()
         status, losses = "completed", []
         first = True
         try:
             while self.step < cfg.train.steps:
                 beat(self.step, "start" if first else "step")  # the first step compiles and warms up
+                if prof is not None:
+                    prof.begin(self.step + 1)
+                if mem is not None:
+                    mem.begin_step()
                 lr = self.scheduler.get_last_lr()[0]
                 t0 = time.perf_counter()
                 loss, norm = self.train_step()
@@ -267,22 +286,35 @@ class Trainer:
                 first = False
                 losses.append(loss_v)
                 val = self.evaluate(beat) if self._eval_due() else None
-                self._log(logger, loss_v, norm_v, lr, dt, val)
+                if mem is None:  # with profile.memory the row waits for the step's save, to carry its peak
+                    self._log(logger, loss_v, norm_v, lr, dt, val)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
                     status = "preempted"
                     if logger:
                         logger.event(f"{preemption.requested_by or 'a signal to another rank'}: saving step "
                                      f"{self.step} on every rank, then stopping")
                     beat(self.step, "save")
-                    self.ckpt.save(self.step, blocking=True)
+                    self._measured_save(lambda: self.ckpt.save(self.step, blocking=True))
+                    if mem is not None:
+                        self._log(logger, loss_v, norm_v, lr, dt, val, extra=mem.take())
                     break
                 beat(self.step, "save")
-                self.ckpt.after_step(self.step)
+                self._measured_save(lambda: self.ckpt.after_step(self.step))
+                if mem is not None:
+                    if self.step == cfg.train.steps:  # the end's save, measured with its step
+                        self._measured_save(lambda: self.ckpt.finish(self.step))
+                    self._log(logger, loss_v, norm_v, lr, dt, val, extra=mem.take())
+                if prof is not None:
+                    prof.end(self.step)
+            if prof is not None:
+                prof.close()  # a window a preemption cut short: what it recorded
             if status == "completed":
                 beat(self.step, "save")
                 self.ckpt.finish(self.step)
             self.ckpt.close()
         finally:
+            if prof is not None:
+                prof.close(export=False)  # a failed run: stop profiling, write nothing
             preemption.uninstall()
             if logger:
                 logger.close()
@@ -293,16 +325,31 @@ class Trainer:
             write_outcome(self.run_dir, outcome.__dict__ | {"losses": None})
         return outcome
 
+    def _measured_save(self, save) -> None:
+        """Run save(), a checkpoint call that saves this step or not; under profile.memory a save's
+        peak memory is the step's checkpoint phase."""
+        if self._memory is None:
+            return save()
+        with self._memory.phase("checkpoint"):
+            save()
+        pending = self.ckpt.pending  # an async save still being written counts
+        if self.ckpt.last_saved != self.step and (pending is None or pending.step != self.step):
+            self._memory.values.pop("checkpoint", None)  # nothing was saved
+
     def _logger(self) -> Optional[MetricsLogger]:
         if self.rank != 0:
             return None
+        from hpctrain.train.trackers import from_config
+
         truncate_metrics(self.run_dir, self.step)
-        logger = MetricsLogger(self.run_dir, self.cfg.train.steps, self.cfg.logger.tensorboard.enabled)
+        logger = MetricsLogger(self.run_dir, self.cfg.train.steps,
+                               trackers=from_config(self.cfg, self.run_dir, self.step))
         if self.resumed_from is not None:
             logger.event(f"resumed from checkpoint step {self.resumed_from}")
         return logger
 
-    def _log(self, logger, loss: float, norm: float, lr: float, dt: float, val: float | None = None) -> None:
+    def _log(self, logger, loss: float, norm: float, lr: float, dt: float, val: float | None = None,
+             extra: dict | None = None) -> None:
         if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps and val is None:
             return
         spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
@@ -313,13 +360,16 @@ class Trainer:
         logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
                    tokens=self.progress.tokens_seen, **spread,
-                   **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}))
+                   **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}),
+                   **(extra or {}))
         warning = self.stragglers.warning()
         if warning:
             log.warning("%s", warning)
             logger.event(f"warning: {warning}")
 
     def _mem_bytes(self) -> int:
+        if self._memory is not None:  # it resets the peak counters for each phase, and keeps the peak
+            return self._memory.peak_since_start()
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_rss_bytes()

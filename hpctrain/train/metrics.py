@@ -1,14 +1,19 @@
-"""Metrics of rank 0: one JSON object per logged step in metrics.jsonl, optional TensorBoard events,
-and progress for people (an updating line on a terminal, plain lines in a log)."""
+"""Metrics of rank 0: one JSON object per logged step in metrics.jsonl, the same records to the
+experiment trackers (hpctrain.train.trackers: TensorBoard, W&B, MLflow), and progress for people (an
+updating line on a terminal, plain lines in a log)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger("hpctrain")
 
 
 def peak_rss_bytes() -> int:
@@ -23,21 +28,38 @@ def fmt_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | os.PathLike, total_steps: int, tensorboard: bool = False,
+    def __init__(self, run_dir: str | os.PathLike, total_steps: int, trackers: Sequence = (),
                  stream: IO[str] | None = None, live: bool | None = None):
+        """`trackers`: hpctrain.train.trackers.Tracker objects, not yet started (trackers.from_config)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.file = open(self.path, "a", buffering=1)
         self.total = total_steps
         self.stream = stream or sys.stdout
         # An updating line only where a person watches a terminal; plain lines elsewhere (logs, CI).
         self.live = self.stream.isatty() if live is None else live
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         self._start = time.monotonic()
         self._first_step: int | None = None
+        self._last_step: int | None = None
+        self.trackers: list = []
+        for t in trackers:
+            where = self._guard(t, "start", t.start)
+            if where is not None:
+                self.trackers.append(t)
+                self.event(f"{t.name}: {where}")
+
+    def _guard(self, tracker, what: str, fn, *args):
+        """Run one tracker call; on an error warn once and drop the tracker: training goes on."""
+        try:
+            out = fn(*args)
+            return "" if out is None else out
+        except Exception as e:  # noqa: BLE001 - whatever a tracker raises, the run goes on
+            msg = (f"tracker {tracker.name} failed in {what}: {type(e).__name__}: {e}; "
+                   "it logs nothing more in this run, training goes on")
+            log.warning("%s", msg)
+            self.event(f"warning: {msg}")
+            if tracker in self.trackers:
+                self.trackers.remove(tracker)
+            return None
 
     def log(self, step: int, **values) -> None:
         """`step` counts completed optimizer steps (1-based)."""
@@ -45,12 +67,13 @@ class MetricsLogger:
             self._first_step = step - 1
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}, "time": time.time()}
         self.file.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(record[k], (int, float)):
-                    # val_loss -> val/loss: validation beside training in TensorBoard's groups
-                    tag = f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"
-                    self.tb.add_scalar(tag, record[k], step)
+        self._last_step = step
+        if self.trackers:
+            from hpctrain.train.trackers import scalars
+
+            numbers = scalars({k: record[k] for k in values})  # loss -> train/loss, val_loss -> val/loss
+            for t in list(self.trackers):
+                self._guard(t, f"log (step {step})", t.log, step, numbers, record["time"])
         self._show(step, record)
 
     def event(self, text: str) -> None:
@@ -80,8 +103,12 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        # Finished: train.steps reached (or nothing to do) and no error on its way out of the loop;
+        # else (preempted, failed) the trackers mark their runs so until a restart reopens them.
+        finished = sys.exc_info()[0] is None and (self._last_step is None or self._last_step >= self.total)
+        for t in list(self.trackers):
+            self._guard(t, "close", t.close, finished)
+        self.trackers = []
 
 
 def _plain(v):
