@@ -26,3 +26,12 @@ def train_flops_per_token(m: Any, seq_len: int) -> float:
     dense = c["total"] - c["embedding"] + (c["embedding"] if m.tie_embeddings else 0)
     head_dim = m.dim // m.n_heads
     return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
+
+
+def recompute_flops_per_token(m: Any, seq_len: int, recomputed_blocks: float) -> float:
+    """FLOPs per token that activation checkpointing adds: the forward of every recomputed block
+    again (2 x its parameters for the matmuls, 4 x heads x head_dim x seq_len for attention scores,
+    the forward third of train_flops_per_token's terms). Model FLOPs plus these are the hardware FLOPs
+    papers report beside MFU (Korthikanti et al. 2022, "Reducing Activation Recomputation")."""
+    head_dim = m.dim // m.n_heads
+    return recomputed_blocks * (2.0 * param_counts(m)["per_block"] + 4.0 * m.n_heads * head_dim * seq_len)

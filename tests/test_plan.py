@@ -337,3 +337,35 @@ def test_cli_prints_ranked_layouts_without_torch(tmp_path):
     assert "best 5 by tokens/s" in proc.stdout and "requested layout" in proc.stdout
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["best"]["feasible"] and doc["best"]["tokens_per_s"] >= doc["requested"]["tokens_per_s"]
+
+
+def test_hardware_flops_add_the_recomputed_forward():
+    """hw_tflops_per_gpu = model FLOPs + recomputation; a fully checkpointed block runs its forward
+    twice: 8 instead of 6 FLOPs per parameter and token (Korthikanti et al. 2022)."""
+    base = ["+experiment=70b", "dry_run=true"]
+    none, full, half = (throughput(job_of(compose([*base, *ac]))) for ac in
+                        (["parallel.ac=none"], ["parallel.ac=full"], ["parallel.ac=selective", "parallel.ac_every=2"]))
+    assert none.hw_tflops_per_gpu == pytest.approx(none.tflops_per_gpu)
+    ratio = full.hw_tflops_per_gpu / full.tflops_per_gpu
+    # Below 4/3 only by the output projection and its attention-free share, which are not recomputed.
+    assert 1.30 < ratio < 4 / 3
+    assert half.hw_tflops_per_gpu / half.tflops_per_gpu - 1 == pytest.approx((ratio - 1) / 2, rel=0.02)
+    assert plan_dict(plan(job_of(compose([*base, "parallel.ac=full"]))))["hw_tflops_per_gpu"] == \
+        pytest.approx(full.hw_tflops_per_gpu)
+
+
+def test_cpu_ranks_are_priced_as_cpu_processes_and_local_nvme_is_the_paths_free_space(tmp_path):
+    # 8 local CPU ranks: ~0.35 GiB each (measured), not a GPU rank's 3 GiB of host state.
+    cfg = compose(["launcher.nproc=8", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"])
+    p = plan(job_of(cfg))
+    assert p.fits, p.problems
+    assert p.memory.host_per_rank["process"] <= GiB
+    gpu = plan(job_of(compose(["+experiment=70b"])))
+    assert gpu.memory.host_per_rank["process"] >= 2 * GiB
+    # offload=nvme on the local launcher: the capacity is what offload.path has free.
+    cfg = compose(["offload=nvme", f"offload.path={tmp_path}"])
+    job = job_of(cfg)
+    assert job.cluster.nvme_gb == pytest.approx(__import__("shutil").disk_usage(tmp_path).free / GiB, rel=0.01)
+    assert plan(job).fits
+    slurm = job_of(compose(["offload=nvme", f"offload.path={tmp_path}", "launcher=slurm"]))
+    assert slurm.cluster.nvme_gb == 0  # a cluster's nodes are not this machine: the preset speaks

@@ -69,3 +69,15 @@ def test_token_shards_train_with_tensorboard(tmp_path):
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_3d_layout_on_8_local_ranks_from_the_cli(tmp_path, reference):
+    """pp 2 x dp_shard 2 x tp 2 on 8 local CPU processes, as a user types it (the planner once refused it
+    for host memory, pricing every CPU rank like a GPU rank), matching the single-process reference."""
+    run_cli(*COMMON, "launcher.nproc=8", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2",
+            f"run.dir={tmp_path}", timeout=600)
+    rows = read_metrics(tmp_path)
+    ref_loss, ref_norm = reference
+    assert [r["loss"] for r in rows] == pytest.approx(ref_loss, rel=TOL, abs=TOL)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(ref_norm, rel=1e-4)

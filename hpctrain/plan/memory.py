@@ -22,8 +22,11 @@ REDUCE_BYTES = 4
 # The caching allocator rounds and fragments: a share of what comes and goes within a step
 # (activations, transient buffers) stays reserved but unusable.
 FRAGMENTATION = 0.05
-# Per rank, outside the device: the Python process with torch, CUDA/NCCL host state, data loader.
-HOST_BASE_BYTES = 3 * GiB
+# Per rank, outside the device, by device kind: the Python process with torch, and on GPUs the CUDA
+# context's host side, pinned staging and NCCL's host state. A CPU rank (torch 2.13, gloo) peaks at
+# 0.34 GiB of RSS on the tiny model (metrics.jsonl's mem_bytes); 0.5 GiB leaves room for the data
+# loader and the interpreter's growth.
+HOST_BASE_BYTES = {"cuda": 3 * GiB, "cpu": GiB // 2}
 # The DTensor runtime (tensor parallel, FSDP2 = ZeRO-2/3) on top of the plain one, host memory: the
 # Python heap of sharding propagation (its caches, fake tensors, the source lines linecache reads
 # for their stack traces; 1.9-2.6 MiB by tracemalloc) and the library pages its ops touch
@@ -116,7 +119,18 @@ def cluster_of(cfg: Any) -> ClusterConfig:
     """The cluster section as a plain dataclass (attribute access on it is ~100x OmegaConf's)."""
     from omegaconf import OmegaConf
 
-    return ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+    cluster = ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+    o = cfg.offload
+    if cfg.launcher.name == "local" and o.target == "nvme" and o.path:
+        # A local run's "cluster" is this machine: its NVMe capacity is the free space under offload.path
+        # (the cluster preset's nvme_gb describes a datacenter node, or none).
+        import shutil
+
+        try:
+            cluster = replace(cluster, nvme_gb=shutil.disk_usage(o.path).free / GiB)
+        except OSError:
+            pass  # check() names a path that is not there
+    return cluster
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,7 +386,7 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB
     if job.cluster.device == "cpu" and (lay.tp > 1 or job.zero >= 2):
         dev["dtensor_runtime"] = float(DTENSOR_RUNTIME_BYTES)
-    host = {"process": float(HOST_BASE_BYTES)}
+    host = {"process": float(HOST_BASE_BYTES[str(job.cluster.device)])}
     nvme = 0.0
     off = {k: v for k, v in off.items() if v}
     if job.offload == "cpu":

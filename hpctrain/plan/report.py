@@ -45,6 +45,7 @@ def plan_dict(p: Plan) -> dict:
             "host_memory_per_rank_bytes": m.host_per_rank, "nvme_bytes": m.nvme_per_node,
             "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
             "tokens_per_s_per_gpu": t.tokens_per_s / j.world, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu,
+            "hw_tflops_per_gpu": t.hw_tflops_per_gpu,
             "bubble_fraction": t.bubble_fraction, "time_breakdown_s": t.breakdown, "collectives": t.collectives}
 
 
@@ -82,7 +83,9 @@ def summary(p: Plan) -> str:
              f"step {t.step_time_s:.3g} s ({j.microbatches} micro-batches of {j.micro_batch} x {j.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
              f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per GPU), "
-             f"{t.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {t.mfu:.1%}"]
+             f"{t.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {t.mfu:.1%}"
+             + (f" ({t.hw_tflops_per_gpu:.3g} hardware TFLOP/s with recomputation)"
+                if t.hw_tflops_per_gpu > t.tflops_per_gpu * 1.0001 else "")]
     if p.problems:
         lines.append("cannot run:")
         lines += [f"  - {x}" for x in p.problems]

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpctrain.flops import train_flops_per_token
+from hpctrain.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.spec import ranks_per_node
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers,
                                   stage_params)
@@ -268,8 +268,9 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
 class Throughput:
     step_time_s: float
     tokens_per_s: float
-    tflops_per_gpu: float
+    tflops_per_gpu: float  # model FLOPs (train_flops_per_token) per second per GPU
     mfu: float
+    hw_tflops_per_gpu: float  # model FLOPs plus the recomputed forward passes (activation checkpointing)
     bubble_fraction: float
     breakdown: dict  # seconds per step on the critical path, summing to step_time_s
     collectives: list  # Collective.as_dict() of the busiest stage
@@ -326,6 +327,9 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     tokens = job.global_batch * job.seq_len
     flops = train_flops_per_token(job.model, job.seq_len) * tokens
     tflops = flops / step / job.world / 1e12
+    recomputed = checkpointed_layers(job.ac, job.model.n_layers, job.ac_every)
+    hw_flops = flops + recompute_flops_per_token(job.model, job.seq_len, recomputed) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
-                      mfu=tflops / job.cluster.peak_tflops, bubble_fraction=bubble / step, breakdown=br,
+                      mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
+                      bubble_fraction=bubble / step, breakdown=br,
                       collectives=[c.as_dict() for c in colls])
