@@ -32,6 +32,7 @@ def _choice(name: str, values: str) -> type:
 
 
 AC = _choice("AC", "none full selective")
+GradSync = _choice("GradSync", "auto step microbatch")
 PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zero_bubble zbv dualpipev")
 OptimImpl = _choice("OptimImpl", "auto fused foreach for_loop")
 OptimName = _choice("OptimName", "adamw")
@@ -85,6 +86,11 @@ class ParallelConfig:
     # Micro-batches per step come from train.global_batch / data-parallel ranks / train.micro_batch.
     pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
     pp_virtual_stages: int = 1
+    # When gradients are reduced under gradient accumulation: every micro-batch (ZeRO-2/3 keep only
+    # sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
+    # unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise
+    # and with pipelining (torch's pipeline stages sync on the last backward).
+    grad_sync: GradSync = GradSync("auto")
 
 
 @dataclass

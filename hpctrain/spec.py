@@ -120,6 +120,8 @@ class EngineSpec:
     backend: str  # gloo | nccl, where the cluster's device is present (see backend_for)
     params: int  # model parameters
     flops_per_token: float  # model FLOPs per trained token (MFU's numerator)
+    # step | microbatch: gradients reduced once per optimizer step or after every micro-batch
+    grad_sync: str = "step"
 
 
 # ------------------------------------------------------------------------------------- the rules
@@ -172,6 +174,17 @@ def sharding(zero: int, layout: Layout) -> Sharding:
     block runs once per micro-batch, so ZeRO-3 keeps a stage's parameters gathered for the step."""
     return Sharding(group=layout.dp_shard if zero >= 1 else 1, optimizer=zero >= 1, grads=zero >= 2,
                     params=zero >= 3, reshard_after_forward=zero == 3 and layout.pp == 1)
+
+
+def grad_sync(choice: str, zero: int, layout: Layout) -> str:
+    """When gradients are reduced. ZeRO-2/3 keep their memory promise (sharded gradients) by reducing
+    every micro-batch; DDP and ZeRO-1 hold full gradients anyway and reduce once. torch's pipeline stages
+    decide for themselves: they sync on a step's last backward only."""
+    if layout.pp > 1:
+        return "step"
+    if choice in ("step", "microbatch"):
+        return choice
+    return "microbatch" if zero >= 2 else "step"
 
 
 def params_on_host(offload: str, zero: int, tp: int) -> bool:
@@ -278,13 +291,13 @@ def engine_spec(cfg: Any, world: Optional[int] = None) -> EngineSpec:
                  master_on_nvme=bool(cfg.offload.master_on_nvme), schedule=p.pp_schedule,
                  virtual_stages=p.pp_virtual_stages, global_batch=t.global_batch, micro_batch=t.micro_batch,
                  seq_len=cfg.data.seq_len, ac=p.ac, ac_every=p.ac_every, compile=bool(t.compile), nodes=nodes,
-                 ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend)
+                 ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend, sync=p.grad_sync)
 
 
 def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
           virtual_stages: int, global_batch: int, micro_batch: int, seq_len: int, ac: str = "none",
           ac_every: int = 2, compile: bool = False, master_on_nvme: bool = False, nodes: int = 1,
-          ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto") -> EngineSpec:
+          ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto") -> EngineSpec:
     """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
     return EngineSpec(
         layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp), dtypes=dtypes(precision, zero),
@@ -293,4 +306,4 @@ def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str
         microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,
         compile=compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],
-        flops_per_token=train_flops_per_token(model, seq_len))
+        flops_per_token=train_flops_per_token(model, seq_len), grad_sync=grad_sync(str(sync), int(zero), layout))

@@ -75,17 +75,19 @@ def _tp_share(p: torch.Tensor, tp_mesh) -> float:
 
 
 def probe(t: Trainer) -> dict:
-    record = {"reduce": set(), "gather": set(), "after_forward": 0}
+    record = {"reduce": set(), "gather": set(), "after_forward": 0, "n_reduce": 0, "n_gather": 0}
     tp_mesh = t.meshes.world["tp"] if t.spec.layout.tp > 1 else None
 
     rs, ag = dist.reduce_scatter_single, dist.all_gather_single
 
     def reduce_scatter_single(output, input, *a, **kw):
         record["reduce"].add(str(input.dtype).replace("torch.", ""))
+        record["n_reduce"] += 1
         return rs(output, input, *a, **kw)
 
     def all_gather_single(output, input, *a, **kw):
         record["gather"].add(str(input.dtype).replace("torch.", ""))
+        record["n_gather"] += 1
         return ag(output, input, *a, **kw)
 
     dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter_single, all_gather_single
@@ -131,6 +133,8 @@ def probe(t: Trainer) -> dict:
             "group": [t.meshes.world[d].get_local_rank() for d in ("pp", "tp")],
             "matmul": sorted(mode.seen), "reduce": sorted(record["reduce"]), "gather": sorted(record["gather"]),
             "after_forward": record["after_forward"], "has_output": model.output is not None,
+            "n_reduce": record["n_reduce"], "n_gather": record["n_gather"], "microbatches": t.spec.microbatches,
+            "units": sum(1 for q in t.parts for m in q.modules() if hasattr(m, "set_requires_gradient_sync")),
             "grads": record["grads"], "grad_dtypes": record["grad_dtypes"], "moments": _bytes(moments),
             "at_rest": _bytes(params), "param_dtypes": sorted({str(_local(p).dtype).replace("torch.", "") for p in params}),
             "full": sum(_tp_share(p, tp_mesh) for p in params), "largest": max(_tp_share(p, tp_mesh) for p in params)}

@@ -29,7 +29,8 @@ PRECISIONS = ("fp32", "bf16")
 # world -> (shape, ZeRO stages) probed at that world size. DDP and ZeRO-1 do not compose with TP or PP
 # when data parallel > 1 (refused by the checks), so they are probed there with data parallel 1.
 SHAPES = {
-    2: [("plain", "", (0, 1, 2, 3)), ("tp2", "parallel.tp=2 parallel.dp_shard=1", (0, 1)),
+    2: [("plain", "", (0, 1, 2, 3)), ("step", "parallel.grad_sync=step", (2, 3)),
+        ("tp2", "parallel.tp=2 parallel.dp_shard=1", (0, 1)),
         ("pp2", "parallel.pp=2 parallel.dp_shard=1", (0, 1))],
     4: [("tp2", "parallel.tp=2 parallel.dp_shard=2", (2, 3)), ("pp2", "parallel.pp=2 parallel.dp_shard=2", (2, 3))],
 }
@@ -102,3 +103,20 @@ def test_stage_and_precision_promises(probed, world, shape, layout, zero, precis
         else:  # ZeRO-3: blocks that ran are sharded again; the last block and the root stay for backward
             for h in held:
                 assert h < 0.9 * gathered, (held, gathered)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradient_sync_per_micro_batch_or_per_step(probed, zero):
+    """parallel.grad_sync, seen in the collectives of one step of 2 micro-batches: ZeRO-2/3 reduce-scatter
+    each FSDP unit's gradient after every micro-batch by default (auto), after the last only with
+    grad_sync=step; ZeRO-2 gathers each unit once per step, ZeRO-3 in every forward and backward."""
+    per_mb = probed[(2, f"parallel.zero={zero} train.precision=fp32")]
+    per_step = probed[(2, f"parallel.grad_sync=step parallel.zero={zero} train.precision=fp32")]
+    for a, b in zip(per_mb, per_step):
+        mb, units = a["microbatches"], a["units"]
+        assert mb == 2 and units > 2
+        assert b["n_reduce"] == units and a["n_reduce"] == mb * units, (a["n_reduce"], b["n_reduce"], units)
+        if zero == 2:
+            assert a["n_gather"] == b["n_gather"] == units
+        else:  # every unit gathered for forward and again for backward, in each micro-batch (the root stays)
+            assert a["n_gather"] == b["n_gather"] > mb * units

@@ -24,6 +24,8 @@ LAYOUTS = {
     2: ["parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         "parallel.zero=3 parallel.ac=full", "parallel.zero=2 parallel.ac=selective",
+        "parallel.zero=3 parallel.grad_sync=step", "parallel.zero=2 parallel.grad_sync=step",
+        "parallel.zero=0 parallel.grad_sync=microbatch",
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES)],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
         "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1"],

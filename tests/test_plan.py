@@ -369,3 +369,34 @@ def test_cpu_ranks_are_priced_as_cpu_processes_and_local_nvme_is_the_paths_free_
     assert plan(job).fits
     slurm = job_of(compose(["offload=nvme", f"offload.path={tmp_path}", "launcher=slurm"]))
     assert slurm.cluster.nvme_gb == 0  # a cluster's nodes are not this machine: the preset speaks
+
+
+def test_grad_sync_is_priced_as_the_engine_runs_it():
+    """The 70b experiment (tp 8, zero 3, 32 micro-batches of 1): reducing once per step saves the 31
+    reduce-scatters but holds every gradient of the rank unsharded in fp32 (FSDP2's accumulated
+    gradient): 70.6e9 / 8 x 4 bytes = 33 GiB more per GPU."""
+    base = ["+experiment=70b", "dry_run=true"]
+    per_mb, per_step = (plan(job_of(compose([*base, f"parallel.grad_sync={s}"]))) for s in ("microbatch", "step"))
+    auto = plan(job_of(compose(base)))
+    assert auto.job.spec.grad_sync == "microbatch" and auto.memory.device_total == per_mb.memory.device_total
+    extra = per_step.memory.device["unsharded_grads"]
+    assert extra == pytest.approx(4 * 70_553_706_496 / 8, rel=0.01)  # blocks, embedding and output, /tp
+    assert "unsharded_grads" not in per_mb.memory.device
+    assert per_step.memory.device_total - per_mb.memory.device_total == pytest.approx(extra, rel=0.01)
+
+    def reduce_scatters(p):
+        return sum(c["count"] for c in p.time.collectives if c["op"] == "reduce_scatter" and c["dim"] == "dp_shard")
+    assert reduce_scatters(per_mb) == 32 * reduce_scatters(per_step)
+    # DDP and ZeRO-1 reduce once per step anyway; pipelining always does (torch's stages).
+    assert plan(job_of(compose([*base, "parallel.zero=1"]))).job.spec.grad_sync == "step"
+    pp = plan(job_of(compose([*base, "parallel.pp=2", "parallel.tp=4"])))
+    assert pp.job.spec.grad_sync == "step" and pp.memory.device.get("unsharded_grads", 0) > 0
+
+
+def test_grad_sync_microbatch_with_pipelining_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "parallel.pp=2", "parallel.dp_shard=1",
+                           "parallel.grad_sync=microbatch", "dry_run=true"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "parallel.grad_sync=microbatch does not apply with pipelining" in proc.stderr
+    assert "Fix: parallel.grad_sync=auto" in proc.stderr

@@ -84,6 +84,14 @@ def _positive(cfg):
 
 
 @_check
+def _grad_sync(cfg):
+    p = cfg.parallel
+    if p.grad_sync == "microbatch" and p.pp > 1:
+        yield ("parallel.grad_sync=microbatch does not apply with pipelining: torch's pipeline stages reduce "
+               "gradients after a step's last backward. Fix: parallel.grad_sync=auto")
+
+
+@_check
 def _launcher(cfg):
     la = cfg.launcher
     if la.chain < 1:

@@ -51,6 +51,7 @@ class Job:
     virtual_stages: int = 1
     offload: str = "none"  # none | cpu | nvme
     async_checkpoint: bool = False
+    grad_sync: str = "auto"  # auto | step | microbatch (parallel.grad_sync; the spec resolves auto)
 
     @property
     def world(self) -> int:
@@ -63,7 +64,7 @@ class Job:
         return build(self.model, self.layout, zero=self.zero, precision=self.precision, offload=self.offload,
                      schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
                      micro_batch=self.micro_batch, seq_len=self.seq_len, ac=self.ac, ac_every=self.ac_every,
-                     nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device)
+                     nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device, sync=self.grad_sync)
 
     @property
     def microbatches(self) -> int:
@@ -112,7 +113,7 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
                layout=spec.layout, seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
                schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, offload=cfg.offload.target,
-               async_checkpoint=bool(cfg.checkpoint["async"]))
+               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync))
 
 
 def cluster_of(cfg: Any) -> ClusterConfig:
@@ -355,6 +356,16 @@ def transients(job: Job, sp: StageParams) -> dict:
     return out
 
 
+def accumulated_grads(job: Job, sp: StageParams) -> float:
+    """ZeRO-2/3 reducing once per step (parallel.grad_sync=step, and always under pipelining): FSDP2
+    accumulates each micro-batch's gradient unsharded, in the reduce dtype (fp32), until the step's last
+    backward reduce-scatters it (torch's FSDPParam.unsharded_accumulated_grad): the whole stage's
+    gradients, unsharded, from the first backward to the end of the last."""
+    if job.zero < 2 or job.zero_group == 1 or job.microbatches == 1 or job.params_on_host:
+        return 0.0
+    return REDUCE_BYTES * sp.total if job.spec.grad_sync == "step" else 0.0
+
+
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.layout
@@ -368,10 +379,11 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     held_g = in_flight_with_grads(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     logits = extra.pop("logits", 0.0)
+    accum = accumulated_grads(job, sp)
     before = acts["activations"] + logits
-    after = dev["grads"] + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)
+    after = dev["grads"] + accum + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)
     if before > after:
-        dev["grads"] = 0.0
+        dev["grads"], accum = 0.0, 0.0
     else:
         acts["activations"] *= held_g / held
         logits = logits if held_g >= 1 else 0.0
@@ -379,8 +391,10 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     dev.update({k: v for k, v in acts.items() if v})
     if logits:
         dev["logits"] = logits
+    if accum:
+        dev["unsharded_grads"] = accum
     dev.update(extra)
-    persistent = ("params", "grads", "master", "moments", "param_shards", "ddp_buckets")
+    persistent = ("params", "grads", "master", "moments", "param_shards", "ddp_buckets", "unsharded_grads")
     churn = sum(v for k, v in dev.items() if k not in persistent)
     dev["fragmentation"] = FRAGMENTATION * churn
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB

@@ -55,6 +55,8 @@ def describe(job: Job) -> str:
          f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
     if job.layout.pp > 1:
         s += f", {job.schedule}" + (f" v{job.virtual_stages}" if job.schedule == "interleaved_1f1b" else "")
+    if job.zero >= 2 and job.microbatches > 1:
+        s += f", grad sync per {k['grad_sync'].replace('microbatch', 'micro-batch')}"
     return s
 
 

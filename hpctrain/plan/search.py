@@ -25,6 +25,7 @@ class Space:
     micro_batches: tuple = (1, 2, 4, 8)
     schedules: tuple = ("1f1b", "interleaved_1f1b", "gpipe")
     virtual_stages: tuple = (2, 4)  # tried with interleaved_1f1b
+    grad_syncs: tuple = ("microbatch", "step")  # tried with ZeRO-2/3 without pipelining
     ac_every: int = 2
 
 
@@ -55,7 +56,8 @@ def knobs(job: Job) -> dict:
     return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
             "zero": job.zero, "offload": job.offload, "ac": job.ac, "micro_batch": job.micro_batch,
             "schedule": job.schedule if lay.pp > 1 else "-",
-            "virtual_stages": job.virtual_stages if job.schedule == "interleaved_1f1b" and lay.pp > 1 else 1}
+            "virtual_stages": job.virtual_stages if job.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
+            "grad_sync": job.spec.grad_sync}
 
 
 def overrides(job: Job) -> list[str]:
@@ -66,6 +68,8 @@ def overrides(job: Job) -> list[str]:
            f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
     if job.ac == "selective":
         out.append(f"parallel.ac_every={job.ac_every}")
+    if job.zero >= 2 and job.layout.pp == 1:
+        out.append(f"parallel.grad_sync={job.spec.grad_sync}")
     if job.layout.pp > 1:
         out.append(f"parallel.pp_schedule={job.schedule}")
         if job.schedule == "interleaved_1f1b":
@@ -143,9 +147,11 @@ def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iter
         for offload in (space.offloads if zero >= 1 else ("none",)):
             for ac in space.acs:
                 for mb in space.micro_batches:
+                    syncs = space.grad_syncs if zero >= 2 and lay.pp == 1 else ("auto",)
                     for sched, v in (scheds if lay.pp > 1 else [("1f1b", 1)]):
-                        yield base.with_(layout=lay, zero=zero, offload=offload, ac=ac, ac_every=space.ac_every,
-                                         micro_batch=mb, schedule=sched, virtual_stages=v)
+                        for sync in syncs:
+                            yield base.with_(layout=lay, zero=zero, offload=offload, ac=ac, ac_every=space.ac_every,
+                                             micro_batch=mb, schedule=sched, virtual_stages=v, grad_sync=sync)
 
 
 def search(base: Job, space: Space = Space(), sw: Software = HPCTRAIN, world: Optional[int] = None) -> SearchResult:

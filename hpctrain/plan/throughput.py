@@ -221,9 +221,10 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     and st.dp_exposed (once per step), and each collective's share of the exposed time.
 
     ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers the
-    updated parameters; ZeRO-2 must reduce-scatter every micro-batch (it keeps no full gradient);
-    ZeRO-3 (FSDP) gathers parameters for forward and again for backward and reduce-scatters every
-    micro-batch. With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
+    updated parameters; ZeRO-2 and 3 reduce-scatter every micro-batch (parallel.grad_sync=microbatch,
+    sharded gradients only) or once per step (grad_sync=step, and under pipelining: an unsharded fp32
+    gradient accumulates, hpctrain.plan.memory.accumulated_grads); ZeRO-3 (FSDP) also gathers parameters
+    for forward and again for backward every micro-batch. With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
     Gradients travel in fp32 (REDUCE_BYTES), parameters in the compute precision.
     """
     lay, mb, P = job.layout, job.microbatches, st.params
@@ -240,17 +241,21 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
         colls = [_coll(job, "dp", "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
     else:
-        rs_count = mb if job.zero >= 2 else 1
+        per_mb = job.zero >= 2 and job.spec.grad_sync == "microbatch"
+        rs_count = mb if per_mb else 1
         colls = [_coll(job, "dp_shard", "reduce_scatter", grad, rs_count),
                  _coll(job, "dp_shard", "all_gather", par, 2 * mb if job.zero >= 3 else 1)]
         if lay.dp_replicate > 1:
             colls.append(_coll(job, "dp_replicate", "all_reduce", grad / N, rs_count))
         reduce = colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0)
         gather = colls[1].seconds
-        if job.zero >= 3:
+        if job.zero >= 3 and per_mb:
             st.zero_exposed = hide(gather, fwd) + hide(gather + reduce, bwd)
+        elif job.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
+            st.zero_exposed = hide(gather, fwd) + hide(gather, bwd)
+            st.dp_exposed = hide(reduce, bwd)
         else:
-            if job.zero == 2:  # all but the last micro-batch hide their reduce-scatter under their backward
+            if per_mb:  # ZeRO-2: all but the last micro-batch hide their reduce-scatter under their backward
                 st.zero_exposed = hide(reduce, bwd) * (mb - 1) / mb
             st.dp_exposed = hide(reduce, bwd) + hide(gather, fwd)
     exposed = st.zero_exposed * mb + st.dp_exposed

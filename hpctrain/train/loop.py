@@ -120,12 +120,17 @@ class Trainer:
     # ------------------------------------------------------------ one step
 
     def _sync_context(self, last: bool):
-        """Reduce gradients only on the last micro-batch of a step."""
+        """Reduce gradients after every micro-batch, or only after a step's last (spec.grad_sync)."""
+        sync = last or self.spec.grad_sync == "microbatch"
         m = self.parts[0]
         if hasattr(m, "no_sync"):  # DDP
-            return contextlib.nullcontext() if last else m.no_sync()
+            return contextlib.nullcontext() if sync else m.no_sync()
         if hasattr(m, "set_requires_gradient_sync"):  # FSDP2
-            m.set_requires_gradient_sync(last)
+            m.set_requires_gradient_sync(sync)
+            if not self.spec.sharding.params:
+                # ZeRO-2: parameters stay gathered for the whole step, one all-gather per step
+                # (FSDP2 would reshard after every backward and gather again in the next forward).
+                m.set_reshard_after_backward(last)
         return contextlib.nullcontext()
 
     def _compute_context(self):
