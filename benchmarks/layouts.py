@@ -74,6 +74,9 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     "zero1": (2, ["parallel=ddp", "parallel.zero=1"]),
     "zero2": (2, ["parallel=fsdp", "parallel.zero=2"]),
     "zero3": (2, ["parallel=fsdp", "parallel.zero=3"]),
+    # gradients reduced once per step (parallel.grad_sync=step): FSDP2 accumulates them unsharded
+    "zero2_step": (2, ["parallel=fsdp", "parallel.zero=2", "parallel.grad_sync=step"]),
+    "zero3_step": (2, ["parallel=fsdp", "parallel.zero=3", "parallel.grad_sync=step"]),
     "tp2": (2, ["parallel=ddp", "parallel.tp=2"]),
     "pp2": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "hsdp2x2": (4, ["parallel=fsdp", "parallel.dp_replicate=2", "train.global_batch=8"]),
@@ -81,6 +84,8 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
 }
 DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimizer + DDP), dp 2",
             "zero2": "ZeRO-2 (FSDP2, no reshard after fwd), dp 2", "zero3": "ZeRO-3 (FSDP2), dp 2",
+            "zero2_step": "ZeRO-2, gradients reduced once per step, dp 2",
+            "zero3_step": "ZeRO-3, gradients reduced once per step, dp 2",
             "tp2": "TP 2 (dp 1)", "pp2": "PP 2, 1f1b, 2 micro-batches", "hsdp2x2": "HSDP 2x2 (zero 3), 4 ranks",
             "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks"}
 

@@ -52,6 +52,8 @@ class Job:
     offload: str = "none"  # none | cpu | nvme
     async_checkpoint: bool = False
     grad_sync: str = "auto"  # auto | step | microbatch (parallel.grad_sync; the spec resolves auto)
+    pp_layers: tuple = ()  # blocks per pipeline stage (parallel.pp_layers); () = the automatic split
+    compile: bool = False  # train.compile: torch.compile fuses the elementwise kernels
 
     @property
     def world(self) -> int:
@@ -64,7 +66,8 @@ class Job:
         return build(self.model, self.layout, zero=self.zero, precision=self.precision, offload=self.offload,
                      schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
                      micro_batch=self.micro_batch, seq_len=self.seq_len, ac=self.ac, ac_every=self.ac_every,
-                     nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device, sync=self.grad_sync)
+                     compile=self.compile, nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device, sync=self.grad_sync,
+                     pp_layers=tuple(self.pp_layers))
 
     @property
     def microbatches(self) -> int:
@@ -112,8 +115,9 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
     return Job(model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)), cluster=cluster,
                layout=spec.layout, seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
-               schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, offload=cfg.offload.target,
-               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync))
+               schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, pp_layers=tuple(p.pp_layers),
+               offload=cfg.offload.target,
+               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync), compile=bool(t.compile))
 
 
 def cluster_of(cfg: Any) -> ClusterConfig:
@@ -380,6 +384,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     held_g = in_flight_with_grads(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     logits = extra.pop("logits", 0.0)
     accum = accumulated_grads(job, sp)
+    if accum:  # the sharded gradients appear when the unsharded ones are reduced and freed, unit by unit
+        dev["grads"] = 0.0
     before = acts["activations"] + logits
     after = dev["grads"] + accum + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)
     if before > after:
@@ -416,11 +422,21 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     return dev, host, nvme
 
 
+def pipeline_ranks(job: Job) -> list[int]:
+    """The pipeline ranks that can need the most memory: the first of each distinct (blocks, holds the
+    embedding, holds the output layer), since a later rank never holds more micro-batches (in_flight),
+    and always the first, the second and the last. An uneven split (parallel.pp_layers) can make a
+    middle rank the heaviest."""
+    pp = job.layout.pp
+    first: dict = {}
+    for r in range(pp):
+        first.setdefault((job.stage_layers(r), job.first(r), job.last(r)), r)
+    return sorted(set(first.values()) | {0, min(1, pp - 1), pp - 1})
+
+
 def memory(job: Job) -> Memory:
     """Memory of the worst pipeline stage, with the problems that keep it from fitting."""
-    lay = job.layout
-    stages = sorted({0, lay.pp - 1, min(1, lay.pp - 1)})  # first, a middle one, last
-    worst = max(((s,) + stage_memory(job, s) for s in stages), key=lambda x: sum(x[1].values()))
+    worst = max(((s,) + stage_memory(job, s) for s in pipeline_ranks(job)), key=lambda x: sum(x[1].values()))
     stage, dev, host, nvme = worst
     c = job.cluster
     mem = Memory(stage=stage, device=dev, host_per_rank=host, nvme_per_rank=nvme,
