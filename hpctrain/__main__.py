@@ -34,6 +34,7 @@ def summary(cfg) -> str:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return (f"model {cfg.model.name}: {params / 1e9:.3f} B parameters ({params:,})\n"
             f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
+            + (f"pipeline: {spec.pipeline.describe()}\n" if spec.pipeline and spec.pipeline.blocks else "") +
             f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "
             f"{cfg.train.steps} steps\n"
             f"run dir: {cfg.run.dir}")

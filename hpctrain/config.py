@@ -86,6 +86,12 @@ class ParallelConfig:
     # Micro-batches per step come from train.global_batch / data-parallel ranks / train.micro_batch.
     pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
     pp_virtual_stages: int = 1
+    # Blocks of each pipeline stage in model order, one entry per stage (pp x stages per rank: 2 for
+    # interleaved_1f1b/zero_bubble with pp_virtual_stages<=2, else pp_virtual_stages; 2 for zbv and
+    # dualpipev, whose rank r runs stages r and 2pp-1-r), summing to model.n_layers; e.g. [7,8,...,8,7].
+    # [] = automatic: balances parameters, the embedding and output layer counted on the first and
+    # last stage (hpctrain.spec.split_layers).
+    pp_layers: List[int] = field(default_factory=list)
     # When gradients are reduced under gradient accumulation: every micro-batch (ZeRO-2/3 keep only
     # sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
     # unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise

@@ -9,8 +9,9 @@ re-deriving them from the config, so a rule lives here once. No torch: the login
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Optional
 
 from hpctrain.flops import param_counts, train_flops_per_token
@@ -83,21 +84,46 @@ class Pipeline:
     def ranks(self) -> int:
         return self.stages // self.per_rank
 
+    @property
+    def layers(self) -> tuple:
+        """Blocks of each stage, in stage (model) order: what parallel.pp_layers sets."""
+        return tuple(end - start for start, end in self.blocks)
+
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The stages one pipeline rank runs, in order."""
-        if self.schedule in V_SHAPED:
-            return [pp_rank, 2 * self.ranks - 1 - pp_rank]
-        return [pp_rank + i * self.ranks for i in range(self.per_rank)]
+        return stage_ids(self.schedule, self.ranks, self.per_rank, pp_rank)
+
+    def describe(self) -> str:
+        """e.g. '16 stages (1f1b), blocks per stage 7, 8 x 14, 7'."""
+        runs: list = []
+        for k in self.layers:
+            if runs and runs[-1][0] == k:
+                runs[-1][1] += 1
+            else:
+                runs.append([k, 1])
+        split = ", ".join(f"{k} x {c}" if c > 1 else f"{k}" for k, c in runs)
+        per = f", {self.per_rank} per rank" if self.per_rank > 1 else ""
+        return f"{self.stages} stages ({self.schedule}{per}), blocks per stage {split}"
+
+    @cached_property
+    def rank_shapes(self) -> tuple:
+        """(blocks, holds the embedding, holds the output layer) of each pipeline rank, over its stages
+        (cached: the planner asks for every rank of thousands of layouts)."""
+        out = []
+        for r in range(self.ranks):
+            ids = self.stage_ids(r)
+            out.append((sum(self.blocks[s][1] - self.blocks[s][0] for s in ids), 0 in ids, self.stages - 1 in ids))
+        return tuple(out)
 
     def rank_blocks(self, pp_rank: int) -> int:
         """How many blocks one pipeline rank holds over its stages."""
-        return sum(self.blocks[s][1] - self.blocks[s][0] for s in self.stage_ids(pp_rank))
+        return self.rank_shapes[pp_rank][0]
 
     def holds_embedding(self, pp_rank: int) -> bool:
-        return 0 in self.stage_ids(pp_rank)
+        return self.rank_shapes[pp_rank][1]
 
     def holds_output(self, pp_rank: int) -> bool:
-        return self.stages - 1 in self.stage_ids(pp_rank)
+        return self.rank_shapes[pp_rank][2]
 
 
 @dataclass(frozen=True)
@@ -210,63 +236,202 @@ def stages_per_rank(schedule: str, virtual: int) -> int:
     return max(2, virtual)
 
 
-def balanced_split(costs: list, parts: int) -> list[int]:
-    """Boundaries (len parts+1) of `parts` contiguous chunks of `costs` minimizing the largest chunk
-    (binary search on the bottleneck, greedy fill). Every chunk gets at least one item."""
-    if parts > len(costs):
-        raise ValueError(f"cannot split {len(costs)} items into {parts} stages")
-
-    def fits(limit: float) -> Optional[list[int]]:
-        bounds, acc = [0], 0.0
-        for i, c in enumerate(costs):
-            if (acc + c > limit and acc > 0) or len(costs) - i < parts - (len(bounds) - 1):
-                bounds.append(i)
-                acc = 0.0
-                if len(bounds) - 1 >= parts:
-                    return None
-            acc += c
-        bounds.append(len(costs))
-        return bounds if len(bounds) == parts + 1 else None
-
-    lo, hi = max(costs), sum(costs)
-    best = fits(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        b = fits(mid)
-        if b is not None:
-            best, hi = b, mid
-        else:
-            lo = mid
-    return best
+def stage_ids(schedule: str, ranks: int, per_rank: int, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` of `ranks` runs, in order. Stage s holds the blocks after
+    stage s-1's; V-shaped schedules fold the stages in two (rank r runs r and 2*ranks-1-r, so rank 0
+    holds both the first and the last), the others deal them round robin (r, r+ranks, r+2*ranks, ...)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * ranks - 1 - pp_rank]
+    return [pp_rank + i * ranks for i in range(per_rank)]
 
 
-def stage_blocks(model: Any, num_stages: int) -> tuple:
-    """Block range [start, end) of each stage, balancing parameters: the embedding counts half its
-    size (a lookup, not a matmul), the final norm and output projection count whole; they sit on the
-    first and last stage whatever the split."""
+# The automatic split (parallel.pp_layers=[]).
+#
+# A stage's cost, in blocks: its blocks, plus the embedding on the first stage and the final norm,
+# output projection and loss on the last. One cost serves both things a split must balance, compute
+# and memory, because both scale with parameters: a block's matmuls are 2 x its parameters FLOPs per
+# token forward (attention scores add 4-8% on Llama 3 405B at 8k tokens: ignored, so the split does
+# not depend on the sequence length), and so are the output projection's (2 x vocab x dim; the
+# cross-entropy over the logits is O(vocab) more). The embedding is a lookup, no FLOPs, but its
+# weights, gradients and optimizer state take as much memory as the output layer's: it counts half
+# its parameters. Llama 3 405B (vocab 128256 x dim 16384 against 3.19 B parameters a block): the
+# embedding costs 0.33 blocks, the output layer 0.66, so 126 blocks over 16 stages split
+# 7, 8 x 14, 7 -- as Llama 3 405B was trained (Llama 3 paper, section 3.3.2: one layer fewer on the
+# first and the last stage, for the embedding and for the output projection and loss).
+#
+# What bounds a step and a rank's memory is the busiest pipeline *rank*, which runs all its stages:
+# the split first minimizes the largest rank cost, then, within that, the largest stage cost (equal
+# stages keep the schedule's ticks even), then fills stages in order, each as full as both bounds
+# allow (the last ones take the shortfall). With one stage per rank (gpipe, 1f1b) that is the classic
+# min-max contiguous split. Interleaved schedules give rank 0 the first stage and rank pp-1 the last;
+# V-shaped ones give rank 0 both, so rank 0's two stages are both light: 126 blocks under zbv with
+# pp=16 split 3, 4 x 30, 3 (rank 0 holds 6 blocks + embedding + output, the others 8). Layers that
+# divide evenly get no special case: where the embedding and output layer are small against a block
+# (tiny vocabularies) the split is the even one; where they are not, the ends get fewer blocks.
+#
+# Every stage but the first and the last holds at least one block; those two may hold none (only the
+# embedding, or only the output layer), so a model runs with up to n_layers + 2 stages.
+_EPS = 1e-9
+
+
+def split_layers(n: int, extra: tuple, owner: tuple) -> tuple:
+    """Blocks per stage (stage order) of `n` equal blocks over len(extra) stages: stage s costs its
+    blocks + extra[s] (in blocks) and runs on pipeline rank owner[s]. See the comment above."""
+    stages = len(extra)
+    if stages < 1:
+        raise ValueError("no stages to split the blocks over")
+    least = [0 if s in (0, stages - 1) else 1 for s in range(stages)]
+    if sum(least) > n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages (every stage between the first and the "
+                         f"last needs a block)")
+    ranks = sorted(set(owner))
+    of = {r: [s for s in range(stages) if owner[s] == r] for r in ranks}
+    rank_extra = {r: sum(extra[s] for s in of[r]) for r in ranks}
+    rank_least = {r: sum(least[s] for s in of[r]) for r in ranks}
+
+    def fit(limit: float, cost: float) -> int:  # blocks that fit under `limit` beside `cost`
+        return math.floor(limit - cost + _EPS)
+
+    def rank_caps(limit: float, stage_caps=None) -> Optional[dict]:
+        caps = {}
+        for r in ranks:
+            cap = fit(limit, rank_extra[r])
+            if stage_caps is not None:
+                cap = min(cap, sum(stage_caps[s] for s in of[r]))
+            if cap < rank_least[r]:
+                return None
+            caps[r] = cap
+        return caps if sum(caps.values()) >= n else None
+
+    def stage_caps(limit: float) -> Optional[list]:
+        caps = [fit(limit, e) for e in extra]
+        return None if any(c < m for c, m in zip(caps, least)) else caps
+
+    def lowest(candidates: set, feasible) -> float:
+        values = sorted(candidates)
+        lo, hi = 0, len(values) - 1  # the largest candidate always fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if feasible(values[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return values[lo]
+
+    rank_limit = lowest({k + e for e in rank_extra.values() for k in range(n + 1)},
+                        lambda x: rank_caps(x) is not None)
+
+    def both(x: float) -> Optional[tuple]:
+        caps = stage_caps(x)
+        budget = None if caps is None else rank_caps(rank_limit, caps)
+        return None if budget is None else (caps, budget)
+
+    stage_limit = lowest({k + e for e in set(extra) for k in range(n + 1)}, lambda x: both(x) is not None)
+    caps, budget = both(stage_limit)
+    blocks, left = [], n
+    after = [sum(least[s + 1:]) for s in range(stages)]
+    for s in range(stages):
+        r = owner[s]
+        later = sum(least[t] for t in of[r] if t > s)
+        k = min(caps[s], budget[r] - later, left - after[s])
+        blocks.append(k)
+        budget[r] -= k
+        left -= k
+    assert left == 0 and all(b >= m for b, m in zip(blocks, least)), (n, extra, owner, blocks)
+    return tuple(blocks)
+
+
+def stage_owners(schedule: str, ranks: int, per_rank: int) -> tuple:
+    """The pipeline rank of each stage."""
+    owner = [0] * (ranks * per_rank)
+    for r in range(ranks):
+        for s in stage_ids(schedule, ranks, per_rank, r):
+            owner[s] = r
+    return tuple(owner)
+
+
+def auto_layers(model: Any, pp: int, schedule: str, virtual: int) -> tuple:
+    """Blocks per stage (stage order) of the automatic split (the comment above)."""
     c = param_counts(model)
-    return _stage_blocks(c["embedding"], c["per_block"], c["final_norm"] + c["output"], model.n_layers, num_stages)
+    return _auto_layers(c["embedding"], c["per_block"], c["final_norm"] + c["output"], model.n_layers, pp,
+                        stages_per_rank(schedule, virtual), schedule in V_SHAPED)
 
 
 @lru_cache(maxsize=4096)
-def _stage_blocks(embedding: int, per_block: int, output: int, n: int, num_stages: int) -> tuple:
+def _auto_layers(embedding: int, per_block: int, output: int, n: int, pp: int, per_rank: int, v_shaped: bool) -> tuple:
     # Cached: the planner's layout search asks for the same split thousands of times.
-    bounds = balanced_split([embedding * 0.5, *[per_block] * n, output], num_stages)
-    ranges = []
-    for s in range(num_stages):
-        # Units 1..n are blocks 0..n-1; unit 0 (embedding) and n+1 (output) own no block.
-        start, end = max(bounds[s], 1) - 1, min(bounds[s + 1], n + 1) - 1
-        ranges.append((start, max(start, end)))
-    return tuple(ranges)
+    stages = pp * per_rank
+    extra = [0.0] * stages
+    extra[0] += 0.5 * embedding / per_block
+    extra[-1] += output / per_block
+    # Which rank runs each stage: the V fold, or the round-robin deal (any non-V name deals per_rank).
+    return split_layers(n, tuple(extra), stage_owners(V_SHAPED[0] if v_shaped else "interleaved_1f1b", pp, per_rank))
 
 
-def pipeline(model: Any, pp: int, schedule: str, virtual: int) -> Optional[Pipeline]:
+def pp_layers_problems(model: Any, pp: int, schedule: str, virtual: int, layers) -> list[str]:
+    """Why parallel.pp_layers (blocks per stage, stage order) cannot split this model, with the fix;
+    [] when it can (or is [], the automatic split)."""
+    layers = [int(x) for x in layers or ()]
+    if not layers:
+        return []
+    shown = "[" + ",".join(map(str, layers)) + "]"
+    if pp <= 1:
+        return [f"parallel.pp_layers={shown} splits pipeline stages, and parallel.pp={pp} has none. "
+                "Fix: parallel.pp_layers=[]"]
+    per_rank = stages_per_rank(schedule, virtual)
+    stages, n = pp * per_rank, model.n_layers
+    if stages > n + 2:
+        return []  # check.py's stage count refusal says it
+    auto = "[" + ",".join(map(str, auto_layers(model, pp, schedule, virtual))) + "]"
+    why = []
+    if len(layers) != stages:
+        made = (f"parallel.pp={pp} x {per_rank} stages per rank ({schedule}"
+                + (f", parallel.pp_virtual_stages={virtual}" if schedule not in SINGLE_STAGE + V_SHAPED else "")
+                + ")") if per_rank > 1 else f"parallel.pp={pp}"
+        why.append(f"it has {len(layers)} entr{'y' if len(layers) == 1 else 'ies'}, but {made} makes {stages} "
+                   f"stages (one entry per stage, in model order)")
+    if sum(layers) != n:
+        why.append(f"it sums to {sum(layers)} blocks, but model.n_layers={n}")
+    empty = [s for s, k in enumerate(layers) if k < 0 or (k == 0 and 0 < s < len(layers) - 1)]
+    if empty:
+        why.append(f"stage{'s' * (len(empty) > 1)} {', '.join(map(str, empty))} would hold "
+                   f"{'no' if all(layers[s] == 0 for s in empty) else 'a negative number of'} blocks (every stage "
+                   f"needs one, except the first and the last, which hold the embedding and the output layer)")
+    if not why:
+        return []
+    return [f"parallel.pp_layers={shown} cannot split the model: {'; '.join(why)}. Fix: parallel.pp_layers={auto} "
+            f"(the automatic split), or parallel.pp_layers=[] to use it"]
+
+
+def pipeline(model: Any, pp: int, schedule: str, virtual: int, layers=()) -> Optional[Pipeline]:
+    """The stages and the blocks of each: `layers` blocks per stage (parallel.pp_layers), or the
+    automatic split. Raises ValueError with pp_layers_problems' message for a split that cannot run.
+    More stages than blocks + 2 get no blocks (check.py refuses them)."""
+    layers = tuple(int(x) for x in layers or ())
+    bad = pp_layers_problems(model, pp, schedule, virtual, layers)
+    if bad:
+        raise ValueError(" ".join(bad))
     if pp <= 1:
         return None
+    c = param_counts(model)
+    return _pipeline(c["embedding"], c["per_block"], c["final_norm"] + c["output"], model.n_layers, pp,
+                     str(schedule), int(virtual), layers)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(embedding: int, per_block: int, output: int, n: int, pp: int, schedule: str, virtual: int,
+              layers: tuple) -> Pipeline:
+    # Cached: one Pipeline (and its rank_shapes) serves every planner layout with these stages.
     per_rank = stages_per_rank(schedule, virtual)
     stages = pp * per_rank
-    blocks = stage_blocks(model, stages) if stages <= model.n_layers + 2 else ()
-    return Pipeline(schedule=str(schedule), stages=stages, per_rank=per_rank, blocks=blocks)
+    blocks: tuple = ()
+    if stages <= n + 2:
+        counts = layers or _auto_layers(embedding, per_block, output, n, pp, per_rank, schedule in V_SHAPED)
+        bounds = [0]
+        for k in counts:
+            bounds.append(bounds[-1] + k)
+        blocks = tuple(zip(bounds[:-1], bounds[1:]))
+    return Pipeline(schedule=schedule, stages=stages, per_rank=per_rank, blocks=blocks)
 
 
 def backend_for(requested: str, device: str, cuda_available: bool) -> str:
@@ -282,14 +447,16 @@ def microbatches(global_batch: int, dp: int, micro_batch: int) -> int:
 
 # ------------------------------------------------------------------------------------- the spec
 
-def engine_spec(cfg: Any, world: Optional[int] = None) -> EngineSpec:
-    """The spec of a composed config, for `world` ranks (default: what the launcher provides)."""
+def engine_spec(cfg: Any, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
+    """The spec of a composed config, for `world` ranks (default: what the launcher provides), with
+    `pp_layers` instead of parallel.pp_layers where given (check.py: () while it refuses the config's)."""
     p, t = cfg.parallel, cfg.train
     lay = layout_of(cfg, world)
     nodes, rpn = (1, lay.world) if cfg.launcher.name == "local" else (cfg.cluster.nodes, ranks_per_node(cfg.cluster))
+    split = tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers)
     return build(cfg.model, lay, zero=p.zero, precision=t.precision, offload=cfg.offload.target,
                  master_on_nvme=bool(cfg.offload.master_on_nvme), schedule=p.pp_schedule,
-                 virtual_stages=p.pp_virtual_stages, global_batch=t.global_batch, micro_batch=t.micro_batch,
+                 virtual_stages=p.pp_virtual_stages, pp_layers=split, global_batch=t.global_batch, micro_batch=t.micro_batch,
                  seq_len=cfg.data.seq_len, ac=p.ac, ac_every=p.ac_every, compile=bool(t.compile), nodes=nodes,
                  ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend, sync=p.grad_sync)
 
@@ -297,12 +464,13 @@ def engine_spec(cfg: Any, world: Optional[int] = None) -> EngineSpec:
 def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
           virtual_stages: int, global_batch: int, micro_batch: int, seq_len: int, ac: str = "none",
           ac_every: int = 2, compile: bool = False, master_on_nvme: bool = False, nodes: int = 1,
-          ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto") -> EngineSpec:
+          ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto",
+          pp_layers: tuple = ()) -> EngineSpec:
     """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
     return EngineSpec(
         layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp), dtypes=dtypes(precision, zero),
         sharding=sharding(zero, layout), placement=placement(offload, zero, layout.tp, master_on_nvme),
-        pipeline=pipeline(model, layout.pp, schedule, virtual_stages), micro_batch=micro_batch,
+        pipeline=pipeline(model, layout.pp, schedule, virtual_stages, pp_layers), micro_batch=micro_batch,
         microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,
         compile=compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],

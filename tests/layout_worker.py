@@ -4,7 +4,7 @@
 
 Each argument after STEPS is one layout (space-separated overrides on top of tests' common ones);
 rank 0 writes {layout: {"loss": [...], "grad_norm": [...], "val": validation loss after the last
-step}} to OUT.json.
+step, "blocks": the block indices each rank's model parts hold, by rank}} to OUT.json.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.compose import compose
 from hpctrain.train.loop import Trainer
@@ -30,7 +31,10 @@ def main() -> None:
         cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", f"run.dir={run}",
                        *spec.split()])
         t = Trainer(cfg, run, torch.device("cpu"))
-        return {**train_steps(t, steps), "val": t.evaluate()}
+        held = sorted(int(i) for part in t.parts for i in getattr(part, "module", part).layers.keys())
+        blocks = [None] * de.world
+        dist.all_gather_object(blocks, held)
+        return {**train_steps(t, steps), "val": t.evaluate(), "blocks": blocks}
 
     over_layouts(out, layouts, one)
 

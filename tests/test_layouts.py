@@ -1,5 +1,6 @@
 """Every parallel layout of the engine against the plain single-process reference (tests/reference.py):
-loss and gradient norm per step and the validation loss after the last, fp32 on CPU/gloo. Many layouts share one launch per world size."""
+loss and gradient norm per step and the validation loss after the last, fp32 on CPU/gloo. Many layouts share one launch per world size
+(only the layouts selected, e.g. with -k, are launched)."""
 from __future__ import annotations
 
 import json
@@ -20,30 +21,60 @@ NORM_TOL = 1e-4
 WORKER = str(Path(__file__).with_name("layout_worker.py"))
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# Uneven pipeline splits: 3 blocks over 2 stages (automatic: 2+1, the output layer outweighs the
+# embedding), over 4 stages of V-shaped and interleaved schedules (automatic 1+1+1+0: the last stage
+# holds only the output layer), and parallel.pp_layers given (a first stage of the embedding alone).
+# A layout's model.* overrides get a reference of their own.
+UNEVEN = "model.n_layers=3 parallel.pp=2 parallel.dp_shard=1"
+# The blocks each rank then holds: V-shaped schedules put stages 0 and 3 on rank 0, interleaved ones 0 and 2.
+UNEVEN_BLOCKS = {UNEVEN: [[0, 1], [2]],
+                 f"{UNEVEN} parallel.pp_layers=[1,2]": [[0], [1, 2]],
+                 f"{UNEVEN} parallel.pp_schedule=zbv": [[0], [1, 2]],
+                 f"{UNEVEN} parallel.pp_schedule=interleaved_1f1b parallel.pp_layers=[0,2,1,0]": [[2], [0, 1]],
+                 f"{UNEVEN} parallel.pp_schedule=dualpipev parallel.pp_layers=[0,1,1,1]": [[2], [0, 1]]}
 LAYOUTS = {
     2: ["parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         "parallel.zero=3 parallel.ac=full", "parallel.zero=2 parallel.ac=selective",
         "parallel.zero=3 parallel.grad_sync=step", "parallel.zero=2 parallel.grad_sync=step",
         "parallel.zero=0 parallel.grad_sync=microbatch",
-        *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES)],
+        *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
         "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1"],
     8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"],
 }
 
 
+def model_overrides(layout: str) -> tuple:
+    return tuple(o for o in layout.split() if o.startswith("model."))
+
+
 @pytest.fixture(scope="module")
 def reference():
+    """The reference run of the tiny model with a layout's model.* overrides, computed once each."""
     from layout_worker import COMMON
 
-    return reference_run(compose([*COMMON, f"train.steps={STEPS}"]), STEPS)
+    runs = {}
+
+    def of(layout: str) -> dict:
+        key = model_overrides(layout)
+        if key not in runs:
+            runs[key] = reference_run(compose([*COMMON, *key, f"train.steps={STEPS}"]), STEPS)
+        return runs[key]
+
+    return of
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
+    """One launch per world size of the layouts this session runs."""
+    chosen = {(i.callspec.params["world"], i.callspec.params["layout"]) for i in request.session.items
+              if getattr(i, "originalname", None) == "test_layout_matches_single_process" and i.module.__name__ == __name__}
     out = {}
-    for world, layouts in LAYOUTS.items():
+    for world, every in LAYOUTS.items():
+        layouts = [l for l in every if (world, l) in chosen]
+        if not layouts:
+            continue
         d = tmp_path_factory.mktemp(f"world{world}")
         rc = launch(d, world, cmd=[sys.executable, WORKER, str(d / "out.json"), str(STEPS), *layouts])
         assert rc == 0, (d / "logs").as_posix()
@@ -53,8 +84,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("world,layout", [(w, l) for w, ls in LAYOUTS.items() for l in ls])
 def test_layout_matches_single_process(results, reference, world, layout):
-    got = results[(world, layout)]
-    ref_loss, ref_norm = reference["loss"], reference["grad_norm"]
+    got, ref = results[(world, layout)], reference(layout)
+    ref_loss, ref_norm = ref["loss"], ref["grad_norm"]
     for step in range(STEPS):
         assert abs(got["loss"][step] - ref_loss[step]) <= LOSS_TOL * max(1, ref_loss[step]), \
             (step + 1, got["loss"], ref_loss)
@@ -62,4 +93,6 @@ def test_layout_matches_single_process(results, reference, world, layout):
             (step + 1, got["grad_norm"], ref_norm)
     # Validation (forward only, a sampler of its own; pipeline layouts through schedule.eval) after
     # the last step, on the same validation samples as the reference.
-    assert abs(got["val"] - reference["val"]) <= LOSS_TOL * max(1, reference["val"]), (got["val"], reference["val"])
+    assert abs(got["val"] - ref["val"]) <= LOSS_TOL * max(1, ref["val"]), (got["val"], ref["val"])
+    if layout in UNEVEN_BLOCKS:  # the split the layout asks for is the one the ranks hold
+        assert got["blocks"] == UNEVEN_BLOCKS[layout], got["blocks"]

@@ -219,9 +219,10 @@ def test_infeasible_request_says_why():
     assert not p.fits
     assert "device memory" in p.problems[0] and "parallel.zero=1" in p.problems[0]
     assert p.memory.device_total > 1000 * GiB
-    # Structure: 64 heads do not split over 3 ranks, 80 layers not over 3 stages.
+    # Structure: 64 heads do not split over 3 ranks; 80 layers do over 3 stages (unevenly), not over 83.
     bad = evaluate(job.with_(layout=Layout(pp=3, dp_replicate=1, dp_shard=1, tp=3), zero=3))
-    assert "model.n_heads % tp" in bad.reasons and "n_layers % pp" in bad.reasons
+    assert "model.n_heads % tp" in bad.reasons and not any("n_layers" in r for r in bad.reasons)
+    assert "stages > n_layers + 2" in evaluate(job.with_(layout=Layout(pp=83, dp_replicate=1, dp_shard=1, tp=1))).reasons
     assert any("parallel.tp=3" in m for m in bad.problems)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hpctrain.compose import ConfigError, bad_choices, compose
 from hpctrain.disk import writable_dir_problem
-from hpctrain.spec import ZERO_STAGES, engine_spec, layout_of, world_size
+from hpctrain.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
 
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -272,7 +272,11 @@ def _engine(cfg):
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if min(p.pp, p.tp, p.dp_replicate) < 1 or t.micro_batch < 1:
         return
-    spec = engine_spec(cfg)
+    # parallel.pp_layers: one entry per stage, summing to the blocks, a block on every middle stage.
+    split = [] if min(m.n_layers, p.pp_virtual_stages) < 1 else pp_layers_problems(
+        m, p.pp, p.pp_schedule, p.pp_virtual_stages, list(p.pp_layers))
+    yield from split
+    spec = engine_spec(cfg, pp_layers=() if split else None)  # the other checks on the automatic split
     lay = spec.layout
     if lay.dp > 1 and (p.tp > 1 or p.pp > 1) and spec.data_parallel != "fsdp":
         yield (f"parallel.zero={p.zero} with data parallel over {lay.dp} ranks and tp={p.tp}, pp={p.pp}: "

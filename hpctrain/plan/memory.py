@@ -427,11 +427,13 @@ def pipeline_ranks(job: Job) -> list[int]:
     embedding, holds the output layer), since a later rank never holds more micro-batches (in_flight),
     and always the first, the second and the last. An uneven split (parallel.pp_layers) can make a
     middle rank the heaviest."""
-    pp = job.layout.pp
+    p = job.spec.pipeline
+    if p is None:
+        return [0]
     first: dict = {}
-    for r in range(pp):
-        first.setdefault((job.stage_layers(r), job.first(r), job.last(r)), r)
-    return sorted(set(first.values()) | {0, min(1, pp - 1), pp - 1})
+    for r, shape in enumerate(p.rank_shapes):
+        first.setdefault(shape, r)
+    return sorted(set(first.values()) | {0, 1, p.ranks - 1})
 
 
 def memory(job: Job) -> Memory:

@@ -57,7 +57,9 @@ def knobs(job: Job) -> dict:
             "zero": job.zero, "offload": job.offload, "ac": job.ac, "micro_batch": job.micro_batch,
             "schedule": job.schedule if lay.pp > 1 else "-",
             "virtual_stages": job.virtual_stages if job.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
-            "grad_sync": job.spec.grad_sync}
+            "grad_sync": job.spec.grad_sync,
+            # Blocks per stage, automatic or parallel.pp_layers: equal splits compare equal either way.
+            "pp_layers": list(job.spec.pipeline.layers) if job.spec.pipeline else []}
 
 
 def overrides(job: Job) -> list[str]:
@@ -74,6 +76,8 @@ def overrides(job: Job) -> list[str]:
         out.append(f"parallel.pp_schedule={job.schedule}")
         if job.schedule == "interleaved_1f1b":
             out.append(f"parallel.pp_virtual_stages={job.virtual_stages}")
+        if job.pp_layers:
+            out.append(f"parallel.pp_layers=[{','.join(map(str, job.pp_layers))}]")
     return out
 
 
@@ -84,17 +88,18 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
-    if lay.pp > m.n_layers or m.n_layers % lay.pp:
-        out.append(("n_layers % pp", f"model.n_layers={m.n_layers} is not divisible by parallel.pp={lay.pp}"))
+    # Layers need not divide into stages (hpctrain.spec.split_layers splits them unevenly); every stage
+    # but the first and the last needs a block.
+    stages = job.spec.pipeline.stages if job.spec.pipeline else 1
+    if stages > m.n_layers + 2:
+        out.append(("stages > n_layers + 2",
+                    f"parallel.pp={lay.pp} with schedule {job.schedule} makes {stages} stages, more than "
+                    f"model.n_layers={m.n_layers} blocks + the embedding and the output layer"))
     if lay.dp < 1 or job.global_batch % (lay.dp * job.micro_batch):
         out.append(("global_batch % (dp x micro_batch)",
                     f"train.global_batch={job.global_batch} is not divisible by data-parallel ranks "
                     f"({lay.dp}) x train.micro_batch={job.micro_batch}"))
     if lay.pp > 1 and job.schedule == "interleaved_1f1b":
-        if (m.n_layers // lay.pp) % max(1, job.virtual_stages):
-            out.append(("layers per stage % virtual stages",
-                        f"{m.n_layers // lay.pp} layers per stage do not split into parallel.pp_virtual_stages="
-                        f"{job.virtual_stages}"))
         if job.microbatches % lay.pp:
             out.append(("interleaved: micro-batches % pp",
                         f"interleaved 1F1B needs micro-batches ({job.microbatches}) to be a multiple of pp={lay.pp}"))
@@ -151,7 +156,8 @@ def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iter
                     for sched, v in (scheds if lay.pp > 1 else [("1f1b", 1)]):
                         for sync in syncs:
                             yield base.with_(layout=lay, zero=zero, offload=offload, ac=ac, ac_every=space.ac_every,
-                                             micro_batch=mb, schedule=sched, virtual_stages=v, grad_sync=sync)
+                                             micro_batch=mb, schedule=sched, virtual_stages=v, grad_sync=sync,
+                                             pp_layers=())
 
 
 def search(base: Job, space: Space = Space(), sw: Software = HPCTRAIN, world: Optional[int] = None) -> SearchResult:
