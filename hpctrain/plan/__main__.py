@@ -1,4 +1,5 @@
 """`python -m hpctrain.plan [overrides...] [--top N] [--json PATH] [--png PATH] [--calibrate]`
+`python -m hpctrain.plan --published [--fit [--write]]`
 
 Composes the config as `python -m hpctrain` does, prices the layout it asks for, then searches every
 layout of the same model, batch and cluster and prints the fastest that fit. No torch: seconds.
@@ -14,6 +15,11 @@ USAGE = __doc__ + """
   --json PATH    write plan.json for the requested layout and the best one
   --png PATH     bar chart of device memory: the requested layout and the best few
   --calibrate    print predicted vs published TFLOP/s for Megatron-LM's H100 table and exit
+  --published    predicted vs published throughput on every row of hpctrain/plan/published.csv (fit
+                 rows and held-out rows apart, worst and median error), then parallel=auto on a few
+                 of those configurations, and exit
+  --fit          with --published: refit each GPU kind's two efficiencies on the fit rows first and
+                 judge those; --write also writes them into conf/cluster/<kind>.yaml
 """
 
 
@@ -25,8 +31,8 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
         elif a.startswith(("--top=", "--json=", "--png=")):
             k, _, v = a[2:].partition("=")
             opts[k] = v
-        elif a == "--calibrate":
-            opts["calibrate"] = True
+        elif a in ("--calibrate", "--published", "--fit", "--write"):
+            opts[a[2:]] = True
         else:
             rest.append(a)
     opts["top"] = int(opts["top"])
@@ -45,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    if "--published" in argv:
+        return published(argv)
     try:
         opts, overrides = _options(argv)
         if opts.get("calibrate"):
@@ -80,6 +88,32 @@ def main(argv: list[str] | None = None) -> int:
         if plans:
             print(f"wrote {report.save_memory_png(plans, opts['png'])}")
     return 0 if res.ranked else 1
+
+
+def published(argv: list[str]) -> int:
+    from hpctrain.plan import fit, published as pub
+
+    rows = pub.load()
+    use = pub.usable(rows)
+    presets = None
+    if "--fit" in argv:
+        fitted = fit.fit(use)
+        presets = fit.presets_of(fitted)
+        for k, v in fitted.items():
+            print(f"{k}: matmul_efficiency {v['matmul_efficiency']}, attention_efficiency "
+                  f"{v['attention_efficiency']} (fitted on {v['rows']} rows of {', '.join(v['sources'])})")
+        if "--write" in argv:
+            print("wrote " + ", ".join(fit.write(fitted)))
+        print()
+    print(fit.table(fit.evaluate(use, presets)))
+    skipped: dict = {}
+    for p in rows:
+        if p.skip:
+            skipped[p.skip] = skipped.get(p.skip, 0) + 1
+    print("rows not priced: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda x: -x[1])))
+    print()
+    print(fit.auto_report(use, presets))
+    return 0
 
 
 if __name__ == "__main__":

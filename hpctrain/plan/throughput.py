@@ -1,11 +1,13 @@
 """Time of one training step, from FLOPs and bytes: compute, communication per collective and mesh
 dimension, pipeline bubble, optimizer step; then tokens/s, TFLOP/s per GPU and MFU. Pure arithmetic.
 
-Hardware figures come from the cluster config (conf/cluster/*.yaml); the constants below describe
-the software (kernels and overlap) and are shared by every cluster. The two efficiencies in
-conf/cluster/h100.yaml were chosen once so that, with the MEGATRON overlap profile, every row of
-Megatron-LM's published H100 table comes within 10% (report.calibration, tests/test_plan.py).
-Plans for hpctrain itself use the HPCTRAIN profile, which differs only in tensor-parallel overlap.
+Hardware figures come from the cluster config (conf/cluster/*.yaml): datasheet numbers, plus two
+efficiencies per GPU kind fitted on published runs (`python -m hpctrain.plan --published --fit`,
+docs/published_runs.md): the share of peak a large GEMM sustains and the share flash attention
+sustains. Everything else is structure: a GEMM's time follows its shape (a roofline over its operands,
+so thin GEMMs of small micro-batches or high TP run slower per FLOP), attention follows head dimension
+and causal block waste, elementwise kernels follow the bytes they move (fused or eager), and the
+`Software` profile says what the engine overlaps. Validation: tests/test_published.py.
 """
 from __future__ import annotations
 
@@ -15,13 +17,31 @@ from typing import Any
 
 from hpctrain.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.spec import ranks_per_node
-from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers,
+from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params)
 
-# Causal flash attention computes half of the s x s score matrix that the FLOP rule counts.
-CAUSAL = 0.5
 # Flash attention's backward does 2.5x the matmul work of its forward (it recomputes the scores).
 ATTN_BWD = 2.5
+# Flash attention works in blocks of 128 keys; under a causal mask the diagonal blocks are computed
+# whole, so it does 1/2 (1 + 128/s) of the s x s score matrix, not 1/2.
+ATTN_BLOCK = 128
+# Its inner GEMMs have the head dimension as their depth: FA2 on A100 runs head_dim 64 at ~0.88 of
+# head_dim 128's rate (Dao 2023, fig. 4-5), which hd / (hd + 20) reproduces (attention_efficiency is
+# the limit of large heads).
+ATTN_HEAD_KNEE = 20
+# Unfused attention (Megatron-LM 2021: no flash kernel) writes the s x s scores to HBM: bytes per score
+# element, forward (fused scale-mask-softmax 2 + 2, dropout 2 + 2 + a 1-byte mask) and backward
+# (dropout 2 + 1 + 2, softmax 2 + 2 + 2); the QK^T and AV batched GEMMs are priced as GEMMs.
+UNFUSED_SCORE_BYTES = (9, 11)
+# Elementwise kernels, bytes per element of their input in 16-bit activations, forward. Fused
+# (Megatron/TE kernels, torch.compile, native LayerNorm): an RMSNorm reads and writes once (4), a
+# residual add reads two and writes one (6), RoPE 4 per q/k element, SwiGLU reads two ffn-wide
+# tensors and writes one (6 per ffn element). Eager hpctrain/torchtitan Llama code (models/llama.py):
+# RMSNorm upcasts, squares, reduces, scales, downcasts and multiplies, ~36 with its fp32
+# intermediates; RoPE upcasts, chunks, 4 muls, 2 adds, cat, downcast, ~48; SwiGLU silu then mul, 10;
+# the attention output's transpose is a copy (4). Backward moves about twice the forward's bytes.
+FUSED_BYTES = {"norm": 4, "add": 6, "rope": 4, "swiglu": 6, "copy": 0}
+EAGER_BYTES = {"norm": 36, "add": 6, "rope": 48, "swiglu": 10, "copy": 4}
 # Bytes moved per logit by an fp32 cross-entropy over bf16 logits, forward and backward
 # (unfused: upcast, log-softmax, its backward, downcast: ~10 passes of 4 bytes).
 CE_BYTES = 40
@@ -29,32 +49,57 @@ CE_BYTES = 40
 # low-precision copy of the parameter.
 ADAM_BYTES = {"bf16": 30, "fp32": 28}
 # The bubble of each schedule relative to 1F1B's (p-1) micro-batch times. ZB-H1 leaves about a
-# third (Qi et al. 2023); ZBV and DualPipeV about a sixth. Interleaving divides by virtual stages.
+# third (Qi et al. 2023: (p-1)(F+B-W) with F = B = W); ZBV and DualPipeV about a sixth. Interleaving
+# divides by the stages each rank runs (Narayanan et al. 2021), for zero_bubble too (torch's
+# ScheduleInterleavedZeroBubble interleaves its stages).
 BUBBLE_DIVISOR = {"gpipe": 1.0, "1f1b": 1.0, "zero_bubble": 3.0, "zbv": 6.0, "dualpipev": 6.0}
 
 
 @dataclass(frozen=True)
 class Software:
-    """How much communication the training engine hides behind compute. This is not hardware: the
-    same cluster runs Megatron-LM and hpctrain with different overlap."""
+    """What the training engine does with the hardware: which communication it hides behind compute and
+    which kernels it runs. Not hardware: the same cluster runs Megatron-LM and hpctrain differently."""
+    name: str
     tp_overlap: float  # fraction of tensor-parallel collective time hidden behind GEMMs
     dp_overlap: float  # fraction of a micro-batch's backward (forward) that gradient reduction
     #                    (parameter gathering) may hide behind; the last bucket never hides
     pp_overlap: float  # fraction of steady-state send/recv hidden; the fill and drain hops never are
+    fused: bool = False  # fused elementwise kernels; False: eager PyTorch unless the job compiles
+    flash: bool = True  # flash attention; False: scores materialized in HBM
+    attn_rate: float = 1.0  # its flash kernel's speed relative to FlashAttention-2 (or cuDNN's, alike)
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
-# --overlap-grad-reduce and --overlap-param-gather: the setting of its published H100 table.
-MEGATRON = Software(tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0)
+# --overlap-grad-reduce and --overlap-param-gather, Transformer Engine's fused kernels: the setting of
+# its published H100 table (and of NeMo).
+MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, fused=True)
 # hpctrain: FSDP2 prefetches all-gathers and issues reduce-scatters during backward, as Megatron's
-# buckets do; DTensor TP runs its collectives in line (torch's async TP needs torch.compile).
-HPCTRAIN = Software(tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0)
+# buckets do; DTensor TP runs its collectives in line (torch's async TP needs torch.compile); the
+# Llama's norms, RoPE and SwiGLU run as eager PyTorch ops unless train.compile fuses them.
+# torchtitan is the same PyTorch-native stack.
+HPCTRAIN = Software("hpctrain", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0)
+# torchtitan with async TP (torch.compile + symmetric memory): TP collectives overlap the GEMMs they
+# feed, as Megatron's userbuffers do.
+TORCH_ASYNC_TP = Software("torch-async-tp", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0)
+# llm-foundry's MPT on PyTorch FSDP (2023, its benchmark yamls: attn_impl triton): hpctrain's overlap;
+# native single-kernel LayerNorm and GELU; a Triton flash-attention kernel of FlashAttention v1's
+# generation, which FlashAttention-2 outruns ~1.8x forward + backward at head_dim 128 (Dao 2023, fig. 4).
+LLM_FOUNDRY = Software("llm-foundry", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
+                       attn_rate=0.55)
+# Megatron-LM of 2021 (Narayanan et al.): fused bias/softmax kernels but no flash attention, and
+# nothing overlapped: TP all-reduces in line, gradients all-reduced after the backward, blocking
+# pipeline send/recv.
+MEGATRON_2021 = Software("megatron-2021", tp_overlap=0.0, dp_overlap=0.0, pp_overlap=0.0, fused=True,
+                         flash=False)
+# DeepSpeed ZeRO-3 of 2021 on Megatron's GPT (Narayanan et al. Table 2): prefetched parameter gathers.
+DEEPSPEED_2021 = Software("deepspeed-2021", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
+                          flash=False)
 
 
 @dataclass(frozen=True)
 class Hardware:
-    flops: float  # sustained GEMM FLOP/s at the job's precision
-    attn_flops: float  # fused attention FLOP/s on the FLOPs it performs
+    flops: float  # sustained FLOP/s of a large GEMM at the job's precision
+    attn_flops: float  # flash attention FLOP/s on the FLOPs it performs, large heads
     hbm: float  # bytes/s
     elem: int  # bytes per activation element
 
@@ -68,8 +113,10 @@ class Hardware:
                    hbm=c.hbm_gbps * 1e9, elem=BYTES[job.precision])
 
     def gemm(self, m: float, k: float, n: float) -> float:
-        """A GEMM as a smooth roofline: its FLOPs at the sustained rate plus its operands' traffic.
-        Small or skinny GEMMs (small models, high TP) come out slower per FLOP, as measured."""
+        """An (m x k) @ (k x n) GEMM as a smooth roofline: its FLOPs at the sustained rate plus the
+        traffic of its operands and output. Per FLOP that is 1/rate + elem/(2 hbm) (1/m + 1/k + 1/n):
+        a GEMM thinner than ~rate x elem / (2 hbm) (~160 on H100, ~115 on A100) in any dimension runs
+        markedly slower, whether it is thin in tokens (micro-batch x sequence) or in hidden / TP."""
         return 2 * m * k * n / self.flops + self.elem * (m * k + k * n + m * n) / self.hbm
 
 
@@ -156,18 +203,30 @@ class StageTime:
         return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.zero_exposed
 
 
-def layer_fwd(job: Job, hw: Hardware, tokens: int) -> dict:
-    """Forward of one block on one rank: GEMMs, attention, memory-bound elementwise kernels."""
-    m, tp = job.model, job.layout.tp
+def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
+    """One block on one rank for one micro-batch of `tokens`: GEMMs (forward), attention (forward and
+    backward) and memory-bound elementwise kernels (forward)."""
+    sw = sw or HPCTRAIN
+    m, tp, s = job.model, job.layout.tp, job.seq_len
     hd = m.dim // m.n_heads
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
     gemm = (hw.gemm(tokens, h, q + 2 * kv) + hw.gemm(tokens, q, h)  # wq|wk|wv, wo
             + 2 * hw.gemm(tokens, h, f) + hw.gemm(tokens, f, h))  # w1, w3, w2
-    attn = 4 * tokens * job.seq_len * q * CAUSAL / hw.attn_flops
-    # RMSNorms and residual adds on the (sequence-parallel) stream: read+write 10 h; RoPE on q and k;
-    # SwiGLU reads two ffn-wide tensors and writes one.
-    elem = tokens * hw.elem * (10 * h / tp + 2 * (q + kv) + 3 * f) / hw.hbm
-    return {"gemm": gemm, "attn": attn, "elem": elem}
+    if sw.flash:
+        causal = 0.5 * min(2.0, 1 + ATTN_BLOCK / s)
+        attn = 4 * tokens * s * q * causal / (hw.attn_flops * sw.attn_rate * hd / (hd + ATTN_HEAD_KNEE))
+        attn_bwd = ATTN_BWD * attn
+    else:  # QK^T and AV per head and sequence over the full s x s scores, which live in HBM
+        heads = q / hd * tokens / s
+        scores = heads * s * s * hw.elem / 2
+        bmm = heads * (hw.gemm(s, hd, s) + hw.gemm(s, s, hd))
+        attn = bmm + scores * UNFUSED_SCORE_BYTES[0] / hw.hbm
+        attn_bwd = 2 * bmm + scores * UNFUSED_SCORE_BYTES[1] / hw.hbm
+    b = FUSED_BYTES if (sw.fused or job.compile) else EAGER_BYTES
+    # RMSNorms and residual adds on the (sequence-parallel) residual stream; RoPE on q and k; SwiGLU.
+    per_token = (2 * b["norm"] + 2 * b["add"]) * h / tp + b["rope"] * (q + kv) + b["swiglu"] * f + b["copy"] * q
+    elem = tokens * per_token * hw.elem / 2 / hw.hbm
+    return {"gemm": gemm, "attn": attn, "attn_bwd": attn_bwd, "elem": elem}
 
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
@@ -175,9 +234,9 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     tokens = job.micro_batch * job.seq_len
     layers = job.stage_layers(stage)
     first, last = job.first(stage), job.last(stage)
-    lf = layer_fwd(job, hw, tokens)
+    lf = layer_fwd(job, hw, tokens, sw)
     fwd = layers * (lf["gemm"] + lf["attn"] + lf["elem"])
-    bwd = layers * (2 * lf["gemm"] + ATTN_BWD * lf["attn"] + 2 * lf["elem"])
+    bwd = layers * (2 * lf["gemm"] + lf["attn_bwd"] + 2 * lf["elem"])
     if first:  # embedding lookup and its scatter-add gradient
         fwd += tokens * m.dim / lay.tp * hw.elem / hw.hbm
         bwd += 2 * tokens * m.dim / lay.tp * hw.elem / hw.hbm
@@ -281,9 +340,17 @@ class Throughput:
     collectives: list  # Collective.as_dict() of the busiest stage
 
 
+def stages_per_rank(job: Job) -> int:
+    """Pipeline stages each rank runs (the spec's: interleaved and zero_bubble at least 2, V shapes 2)."""
+    p = job.spec.pipeline
+    return p.per_rank if p else 1
+
+
 def bubble_divisor(job: Job) -> float:
     if job.schedule == "interleaved_1f1b":
-        return float(max(1, job.virtual_stages))
+        return float(stages_per_rank(job))
+    if job.schedule == "zero_bubble":
+        return BUBBLE_DIVISOR["zero_bubble"] * stages_per_rank(job)
     return BUBBLE_DIVISOR.get(job.schedule, 1.0)
 
 
@@ -306,20 +373,24 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     """Step time of the slowest pipeline stage's ranks, and what it means in tokens/s and MFU."""
     hw = Hardware.of(job)
     lay, mb = job.layout, job.microbatches
-    stages = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
-    times = {s: stage_time(job, s, hw, sw) for s in stages}
+    # One rank of each distinct (blocks, embedding, output layer) shape: an uneven split
+    # (parallel.pp_layers) can make any of them the slowest, which sets the steady-state pace.
+    times = {r: stage_time(job, r, hw, sw) for r in pipeline_ranks(job)}
     worst = max(times.values(), key=lambda t: t.total)
-    # The bubble idles each stage for (pp-1)/divisor micro-batch times of the average stage; the
-    # stages between first and last all look like stage 1.
-    mid = times[min(1, lay.pp - 1)].total
-    mean = (times[0].total + times[lay.pp - 1].total + (lay.pp - 2) * mid) / lay.pp if lay.pp > 1 else 0.0
+    # The bubble idles each rank for (pp-1)/divisor micro-batch times of the average rank.
+    p = job.spec.pipeline
+    if p is not None:
+        by_shape = {p.rank_shapes[r]: t.total for r, t in times.items()}
+        mean = sum(by_shape[shape] for shape in p.rank_shapes) / p.ranks
+    else:
+        mean = 0.0
     bubble = (lay.pp - 1) / bubble_divisor(job) * mean
 
     br = {"compute": mb * (worst.fwd + worst.bwd), "recompute": mb * worst.recompute,
           "tp_exposed": mb * worst.tp_exposed, "zero_exposed": mb * worst.zero_exposed, "bubble": bubble}
     colls = list(worst.collectives)
     if lay.pp > 1:
-        v = max(1, job.virtual_stages) if job.schedule == "interleaved_1f1b" else 1
+        v = stages_per_rank(job)
         msg = job.micro_batch * job.seq_len * job.model.dim / lay.tp * hw.elem
         p2p = _coll(job, "pp", "send_recv", msg, 2 * mb * v)
         p2p.exposed = (1 - sw.pp_overlap) * p2p.total + 2 * (lay.pp - 1) * p2p.seconds

@@ -1,0 +1,188 @@
+"""Fit the planner's per-GPU constants on the published rows of the fit sources and judge it on the
+held-out ones (`python -m hpctrain.plan --published [--fit]`). Pure arithmetic.
+
+Fitted per GPU kind (conf/cluster/<kind>.yaml): matmul_efficiency and attention_efficiency, the two
+shares of peak the structure of hpctrain.plan.throughput leaves open. The fit minimizes the squared log
+error of tokens/s per GPU over the kind's fit rows, each source weighted equally (a source with many
+rows does not outvote one with few), on a coarse grid refined twice. Held-out rows never enter it.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from typing import Callable, Iterable, Optional
+
+from hpctrain.plan.published import GPUS, Prediction, Published, predict, preset, usable
+from hpctrain.plan.throughput import throughput
+
+FITTED = ("matmul_efficiency", "attention_efficiency")
+BOUND = 0.15  # the target: every held-out row within 15% of its published tokens/s
+
+
+def kind(p: Published) -> str:
+    return GPUS[p.gpu][0]
+
+
+def evaluate(rows: Optional[list] = None, presets: Optional[dict] = None, price: Callable = throughput) -> list:
+    """A Prediction for every usable row."""
+    return [predict(p, presets, price=price) for p in (rows if rows is not None else usable())]
+
+
+def loss(preds: Iterable[Prediction]) -> float:
+    by: dict = {}
+    for x in preds:
+        by.setdefault(x.row.row["source"], []).append(math.log(x.tokens / x.row.tokens) ** 2)
+    return sum(sum(v) / len(v) for v in by.values())
+
+
+def fit(rows: Optional[list] = None, price: Callable = throughput) -> dict:
+    """{kind: {constant: value}} fitted on the fit rows of each GPU kind."""
+    rows = rows if rows is not None else usable()
+    out = {}
+    for k in sorted({kind(p) for p in rows if p.fit}):
+        mine = [p for p in rows if p.fit and kind(p) == k]
+        base = preset(k)
+        best = (math.inf, base.matmul_efficiency, base.attention_efficiency)
+        lo, hi, step = (0.3, 0.1), (0.95, 0.95), 0.05
+        for _ in range(3):
+            mm = _grid(lo[0], hi[0], step)
+            at = _grid(lo[1], hi[1], step)
+            for a in mm:
+                for b in at:
+                    c = replace(base, matmul_efficiency=a, attention_efficiency=b)
+                    err = loss(predict(p, {k: c}, price=price) for p in mine)
+                    if err < best[0]:
+                        best = (err, a, b)
+            lo = (best[1] - step, best[2] - step)
+            hi = (best[1] + step, best[2] + step)
+            step /= 5
+        out[k] = {"matmul_efficiency": round(best[1], 3), "attention_efficiency": round(best[2], 3),
+                  "rows": len(mine), "sources": sorted({p.row["source"] for p in mine})}
+    return out
+
+
+def _grid(lo: float, hi: float, step: float) -> list:
+    n = int(round((hi - lo) / step))
+    return [round(min(0.99, max(0.02, lo + i * step)), 4) for i in range(n + 1)]
+
+
+def presets_of(fitted: dict) -> dict:
+    return {k: replace(preset(k), **{c: v[c] for c in FITTED}) for k, v in fitted.items()}
+
+
+def summary(preds: list, fitted: bool) -> dict:
+    """Rows, median |error|, worst error and rows outside BOUND, of the fit or the held-out rows (rows
+    of engines the planner does not model are left out)."""
+    errs = [x.error for x in preds if x.row.fit == fitted and not x.row.source.unmodelled]
+    if not errs:
+        return {"rows": 0, "median": 0.0, "worst": 0.0, "outside": 0}
+    return {"rows": len(errs), "median": statistics.median(abs(e) for e in errs),
+            "worst": max(errs, key=abs), "outside": sum(abs(e) > BOUND for e in errs)}
+
+
+def table(preds: list) -> str:
+    """Predicted against published, fit rows first, then held-out, with worst and median errors.
+
+    tok/s/GPU is what is compared (converted from TFLOP/s where a source prints only those). TFLOP/s:
+    per GPU by the source's own FLOP rule (model FLOPs; Narayanan et al.'s eq. (3) counts the
+    recompute), published and predicted; hw pred: the planner's hardware TFLOP/s (its FLOP rule plus
+    the recomputed forward). Memory: published peak (torchtitan: GiB) and the planner's."""
+    head = (f"{'source':<30} {'model':<14} {'GPUs':>13} {'layout':<22} {'software':<16} {'tok/s/GPU':>9} {'pred':>9} "
+            f"{'error':>7} {'TFLOP/s':>7} {'pred':>6} {'hw pred':>7} {'mem GiB':>7} {'pred':>5}  unpublished knobs")
+    out = []
+    for fitted in (True, False):
+        group = [x for x in preds if x.row.fit == fitted]
+        out.append(("FIT rows (constants fitted on these)" if fitted else "HELD-OUT rows (not used by the fit)"))
+        out.append(head)
+        for x in group:
+            out.append(_line(x) + (" [not modelled]" if x.row.source.unmodelled else ""))
+        s = summary(preds, fitted)
+        out.append(f"{'fit' if fitted else 'held-out'}: {s['rows']} rows, median |error| {s['median']:.1%}, "
+                   f"worst {s['worst']:+.1%}, {s['outside']} outside {BOUND:.0%}")
+        for why in sorted({x.row.source.unmodelled for x in group if x.row.source.unmodelled}):
+            out.append(f"  [not modelled]: {why}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _line(x: Prediction) -> str:
+    p, r, j = x.row, x.row.row, x.job
+    lay = f"tp{j.layout.tp} pp{j.layout.pp} dp{j.layout.dp} z{j.zero}"
+    flops = p.source.flops(j.model, j.seq_len, p.params)  # per token, by the source's rule
+    pub_m, pred_m = p.tokens * flops / 1e12, x.tokens * flops / 1e12
+    hw = x.time.hw_tflops_per_gpu
+    mem = r["memory_gb"] or "-"
+    chosen = ",".join(f"{k}={_knob(j, k)}" for k in p.tuned)
+    sw = p.software.name + ("+compile" if j.compile and not p.software.fused else "")
+    return (f"{r['source'][:30]:<30} {r['model'][:14]:<14} {r['num_gpus'] + 'x' + r['gpu']:>13} "
+            f"{lay + ' mb' + str(j.micro_batch):<22} {sw:<16} {p.tokens:>9,.0f} "
+            f"{x.tokens:>9,.0f} {x.error:>+7.1%} {pub_m:>7.0f} {pred_m:>6.0f} {hw:>7.0f} {mem:>7} "
+            f"{x.memory_gib:>5.0f}  {chosen}")
+
+
+def _knob(job, k: str):
+    return {"micro_batch": job.micro_batch, "recompute": job.ac,
+            "vp": job.virtual_stages if job.schedule == "interleaved_1f1b" else 1}[k]
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel=auto on published configurations
+
+# Rows whose model, GPUs and global batch the CLI and tests hand to the layout search.
+AUTO = ("llm_foundry_mpt | MPT 70b | 64xh100_80gb", "torchtitan_h100_202412 | Llama 3.1 8B | 8xh100_96gb",
+        "torchtitan_asynctp_h100_202506 | Llama 3 70B | 256xh100_96gb")
+
+
+def auto(p: Published, presets: Optional[dict] = None):
+    """(prediction of the published layout, search result) for the row's model, GPUs, global batch and
+    sequence, both priced with the row's software profile."""
+    from hpctrain.plan.search import search
+
+    x = predict(p, presets)
+    return x, search(x.job, sw=p.software)
+
+
+def auto_rows(rows: Optional[list] = None) -> list:
+    rows = rows if rows is not None else usable()
+    out = []
+    for prefix in AUTO:
+        hit = [p for p in rows if p.id.startswith(prefix)]
+        if hit:
+            out.append(hit[0])
+    return out
+
+
+def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> str:
+    from hpctrain.plan.report import describe, explain
+
+    out = []
+    for p in auto_rows(rows):
+        x, res = auto(p, presets)
+        best = res.ranked[0] if res.ranked else None
+        out.append(f"parallel=auto on {p.id} (global batch {x.job.global_batch}, software {p.software.name}):")
+        out.append(f"  published layout: {describe(x.job)}: {x.tokens:,.0f} tokens/s per GPU predicted "
+                   f"({p.tokens:,.0f} published)")
+        if best:
+            out.append(f"  auto picks:       {describe(best.job)}: {best.time.tokens_per_s / best.job.world:,.0f} "
+                       f"tokens/s per GPU predicted ({best.time.tokens_per_s / best.job.world / x.tokens - 1:+.0%})")
+        out.append("\n".join("  " + line for line in explain(res, top=5, why=2, request=x.job).splitlines()))
+        out.append("")
+    return "\n".join(out)
+
+
+def write(fitted: dict) -> list:
+    """Rewrite the fitted constants in conf/cluster/<kind>.yaml; returns the paths written."""
+    import re
+
+    from hpctrain.compose import conf_dir
+
+    paths = []
+    for k, v in fitted.items():
+        path = conf_dir() / "cluster" / f"{k}.yaml"
+        text = path.read_text()
+        for c in FITTED:
+            text = re.sub(rf"^{c}: [0-9.]+", f"{c}: {v[c]}", text, flags=re.M)
+        path.write_text(text)
+        paths.append(str(path))
+    return paths

@@ -1,0 +1,217 @@
+"""The planner against published training runs (hpctrain/plan/published.csv; sources and each source's
+FLOP convention in docs/published_runs.md). Its two efficiencies per GPU kind are fitted on PyTorch FSDP
+runs only; every TP, pipelined, Megatron-LM and Meta run is held out and predicted from structure.
+
+`python -m hpctrain.plan --published` prints the whole table; `python -m pytest -q -s
+tests/test_published.py` prints the held-out summary.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+import hpctrain.plan.throughput as T
+from hpctrain.flops import train_flops_per_token
+from hpctrain.plan import fit as F
+from hpctrain.plan import published as P
+from hpctrain.plan.report import explain
+
+# What the planner achieves on the held-out rows, with a margin (tokens/s per GPU): the median
+# |error| is 6.9%, the worst +43%. The rows outside 15% are listed, with why, in OUTSIDE.
+HELD_MEDIAN = 0.08
+HELD_WORST = 0.45
+# Held-out TP x PP runs (Megatron-LM 2024, Narayanan et al. 2021, Llama 3 405B): 13 rows up to 16384
+# GPUs and pp 64, all within 10.1% (median 6.3%).
+PIPELINE_WORST = 0.12
+PIPELINE_MEDIAN = 0.08
+# Held-out rows outside 15%, by id prefix, and why (the test fails if another row leaves 15%).
+OUTSIDE = {
+    "torchtitan_asynctp_h100_202506 | Llama 3 8B | 64xh100_96gb":  # async TP row only (+28%)
+        "async TP priced as hiding 90% of TP traffic (as Megatron's userbuffers); torch's decomposed "
+        "all-gather-matmuls on 512-wide shards gained 10%, not the 30% that implies",
+    "llm_foundry_mpt | MPT 70b | 64xa100_40gb": "70B on 40 GB parts at micro-batch 2 (+43%): the run is "
+        "memory-starved (allocator retries), which the planner does not price",
+    "llm_foundry_mpt | MPT 1b | 32xa100_40gb": "+33%: 20% below the same row on 16 and 64 GPUs of its table",
+    "llm_foundry_mpt | MPT 13b | 8xa100_40gb": "+15%: the 40 GB table runs FSDP 'PURE' mixed precision "
+        "and small micro-batches near the memory limit",
+    "llm_foundry_mpt | MPT 125m | 128xa100_40gb": "+16%: 125M on 128 GPUs, launch- and latency-bound",
+    "llm_foundry_mpt | MPT 125m | 64xa100_40gb": "+15%: as on 128 GPUs",
+    "llm_foundry_mpt | MPT 13b | 128xh100_80gb": "-16%: FSDP at 128 GPUs ran faster than on 8-64",
+}
+
+
+def held(preds):
+    return [x for x in preds if not x.row.fit and not x.row.source.unmodelled]
+
+
+def stats(errs):
+    return statistics.median(abs(e) for e in errs), max(errs, key=abs)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return P.usable(P.load())
+
+
+@pytest.fixture(scope="module")
+def preds(rows):
+    return F.evaluate(rows)
+
+
+def _passes(errs) -> bool:
+    med, worst = stats(errs)
+    return med <= HELD_MEDIAN and abs(worst) <= HELD_WORST
+
+
+def _pipelines_pass(preds) -> bool:
+    errs = [x.error for x in held(preds) if x.job.layout.pp > 1]
+    med, worst = stats(errs)
+    return med <= PIPELINE_MEDIAN and abs(worst) <= PIPELINE_WORST
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+def test_rows_load_with_their_sources_conventions(rows):
+    everything = P.load()
+    assert len(everything) == 305
+    skipped = {p.skip for p in everything if p.skip}
+    assert any(s.startswith("fp8") for s in skipped) and any("context parallel" in s for s in skipped)
+    assert len(rows) >= 240 and {F.kind(p) for p in rows} == {"a100", "h100"}
+    # NeMo 24.07 and Megatron-Bridge 25.11 print TFLOP/s by different rules (docs/published_runs.md):
+    # LLAMA3-8B 711e12 / 12273 and 744e12 / 14451 tokens/s per GPU.
+    llama8 = P.model_of({"model": "8B", "hidden": "4096", "heads": "32", "kv_heads": "8", "ffn_hidden": "14336",
+                         "vocab": "128256", "layers": "32"}, P.SOURCES["nemo_24.07_h100_fp8"], 1)
+    n = P.param_counts(llama8)["total"]
+    assert P._nemo_2407(llama8, 8192, n) == pytest.approx(711e12 / 12273, rel=0.01)
+    assert P._bridge(llama8, 8192, n) == pytest.approx(744e12 / 14451, rel=0.01)
+    # Converted sources compare on tokens/s: Megatron's 1.7B row, 408.8 TFLOP/s by its 72 l h^2 (...) rule.
+    meg = next(p for p in rows if p.row["source"] == "megatron_lm_readme_h100_2024")
+    assert meg.tokens * P._megatron_2024(meg.candidates[0].model, 4096, 0) == pytest.approx(408.8e12)
+    # Every fit row is a PyTorch FSDP run without TP or PP; every TP or PP run is held out.
+    assert all(p.candidates[0].layout.tp == p.candidates[0].layout.pp == 1 for p in rows if p.fit)
+    assert sum(1 for p in rows if not p.fit and p.candidates[0].layout.pp > 1) >= 13
+
+
+def test_software_profile_per_row(rows):
+    """Megatron-LM rows run Megatron's profile; torchtitan's the one hpctrain's plans use (HPCTRAIN, the
+    same PyTorch-native stack), or its async-TP variant where the row says so."""
+    by = {p.row["source"]: set() for p in rows}
+    for p in rows:
+        by[p.row["source"]].add(p.software.name)
+    assert by["megatron_lm_readme_h100_2024"] == {"megatron"}
+    assert by["narayanan2021_table1"] == {"megatron-2021"}
+    assert by["torchtitan_h100_202412"] == {T.HPCTRAIN.name}
+    assert by["torchtitan_asynctp_h100_202506"] == {T.HPCTRAIN.name, T.TORCH_ASYNC_TP.name}
+
+
+def test_fit_rows(preds):
+    med, worst = stats([x.error for x in preds if x.row.fit])
+    assert med < 0.05 and abs(worst) < 0.30, (med, worst)
+    # The profile hpctrain's users get, on the PyTorch-native rows it describes (eager and compiled).
+    titan = [x.error for x in preds if x.row.software is T.HPCTRAIN]
+    assert len(titan) >= 6 and max(abs(e) for e in titan) < 0.11, titan
+
+
+def test_held_out_rows(preds):
+    rows = held(preds)
+    med, worst = stats([x.error for x in rows])
+    print(f"\nheld-out: {len(rows)} rows, median |error| {med:.1%}, worst {worst:+.1%}")
+    assert len(rows) >= 120
+    assert med <= HELD_MEDIAN and abs(worst) <= HELD_WORST, (med, worst)
+    outside = [x.row.id for x in rows if abs(x.error) > F.BOUND]
+    unexplained = [i for i in outside if not i.startswith(tuple(OUTSIDE))]
+    assert not unexplained, unexplained
+    pipe = [x for x in rows if x.job.layout.pp > 1]
+    assert {x.row.row["source"] for x in pipe} == {"megatron_lm_readme_h100_2024", "narayanan2021_table1",
+                                                   "llama3_paper_table4"}
+    assert _pipelines_pass(preds), [(x.row.id, round(x.error, 3)) for x in pipe]
+
+
+def test_fit_reproduces_the_cluster_presets(rows):
+    fitted = F.fit(rows)
+    for kind, v in fitted.items():
+        c = P.preset(kind)
+        assert (c.matmul_efficiency, c.attention_efficiency) == (v["matmul_efficiency"], v["attention_efficiency"])
+
+
+# --- what a test must catch -----------------------------------------------------------------
+
+
+def test_a_constant_predictor_fails(preds):
+    rows = held(preds)
+    fitted = [x for x in preds if x.row.fit]
+    mean = statistics.mean(x.row.tokens for x in fitted)
+    assert not _passes([mean / x.row.tokens - 1 for x in rows])
+    # A constant MFU per GPU kind (what passes a 10% band on Megatron's H100 table) fails too.
+    mfu = {}
+    for k in ("a100", "h100"):
+        mine = [x for x in fitted if F.kind(x.row) == k]
+        mfu[k] = statistics.mean(x.row.tokens * train_flops_per_token(x.job.model, x.job.seq_len)
+                                 / (x.job.cluster.peak_tflops * 1e12) for x in mine)
+    errs = [mfu[F.kind(x.row)] * x.job.cluster.peak_tflops * 1e12
+            / train_flops_per_token(x.job.model, x.job.seq_len) / x.row.tokens - 1 for x in rows]
+    assert not _passes(errs), stats(errs)
+
+
+def test_without_the_pipeline_bubble_it_fails(rows, monkeypatch):
+    monkeypatch.setattr(T, "bubble_divisor", lambda job: math.inf)
+    assert not _pipelines_pass(F.evaluate(rows))
+
+
+def test_without_interleaving_it_fails(rows, monkeypatch):
+    monkeypatch.setattr(T, "bubble_divisor", lambda job: 1.0)
+    assert not _pipelines_pass(F.evaluate(rows))
+
+
+def test_without_micro_batches_it_fails(rows, monkeypatch):
+    """Priced as one micro-batch of the whole per-replica batch: no bubble shrinking with micro-batches,
+    no ZeRO-3 re-gathers or gradient syncs per micro-batch, GEMMs of the whole batch."""
+    real = T.throughput
+
+    def one(job, sw=T.HPCTRAIN):
+        return real(job.with_(micro_batch=job.global_batch // job.layout.dp), sw)
+
+    preds = F.evaluate(rows, price=one)
+    assert not _pipelines_pass(preds)
+    assert not _passes([x.error for x in held(preds)])
+
+
+def test_gemm_efficiency_follows_micro_batch_and_tp_shapes():
+    """A GEMM's rate falls as any dimension thins: tokens per micro-batch, or hidden per TP rank."""
+    hw = T.Hardware(flops=500e12, attn_flops=300e12, hbm=3.35e12, elem=2)  # H100-like
+
+    def rate(m, k, n):
+        return 2 * m * k * n / hw.gemm(m, k, n)
+
+    big = rate(16384, 8192, 8192)
+    assert big > 0.95 * 500e12
+    assert rate(1024, 8192, 8192) < 0.9 * big  # a micro-batch of 1 x 1024 tokens
+    assert rate(16384, 8192, 512) < 0.8 * big  # 4096 / 8: one TP rank's share of an 8B's wo
+
+
+# --- parallel=auto on published configurations -----------------------------------------------
+
+
+def test_auto_layout_is_at_least_the_published_one(rows):
+    picked = F.auto_rows(rows)
+    assert len(picked) == len(F.AUTO) == 3
+    for p in picked:
+        x, res = F.auto(p)
+        best = res.ranked[0]
+        assert best.job.world == x.job.world and best.job.global_batch == x.job.global_batch
+        assert best.job.model == x.job.model and best.job.seq_len == x.job.seq_len
+        assert best.time.tokens_per_s >= x.time.tokens_per_s * (1 - 1e-9), p.id
+        why = explain(res, top=3, request=x.job)
+        assert "time:" in why and ("ranks #" in why or "nearest to the one asked for" in why)
+
+
+def test_cli_prints_the_table(capsys):
+    from hpctrain.plan.__main__ import main
+
+    assert main(["--published"]) == 0
+    out = capsys.readouterr().out
+    assert "FIT rows" in out and "HELD-OUT rows" in out and "held-out:" in out
+    assert "parallel=auto on" in out and "[not modelled]" in out
