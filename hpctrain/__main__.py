@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")
                 print(sbatch_script(cfg, cfg.run.dir, sys.executable, source_root()), end="")
                 print("---")
+            if cfg.launcher.name == "k8s":  # the manifest, checked against the Kubernetes models; nothing written
+                from hpctrain.launch.k8s import preview
+
+                print(preview(cfg), end="")
             print("dry run: nothing started")
             return 0
         problem = overwrite_problem(cfg.run.dir, cfg.checkpoint.resume)
@@ -100,6 +104,10 @@ def launch(cfg, run_dir) -> int:
         from hpctrain.launch.slurm import submit
 
         return submit(cfg, run_dir, sys.executable, source_root())
+    if cfg.launcher.name == "k8s":
+        from hpctrain.launch.k8s import launch as write_manifest
+
+        return write_manifest(cfg, str(run_dir))
     raise AssertionError(f"launcher {cfg.launcher.name}: the schema admits no other")
 
 

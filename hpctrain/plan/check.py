@@ -92,6 +92,16 @@ def _grad_sync(cfg):
 
 
 @_check
+def _cluster_k8s(cfg):
+    """launcher=k8s: a pullable image, a shared volume for more than one node, valid names."""
+    if cfg.launcher.name != "k8s":
+        return
+    from hpctrain.plan.k8s_check import k8s_problems
+
+    yield from k8s_problems(cfg)
+
+
+@_check
 def _launcher(cfg):
     la = cfg.launcher
     if la.chain < 1:
