@@ -130,7 +130,9 @@ class Pipeline:
 class EngineSpec:
     layout: Layout
     zero: int
-    data_parallel: str  # none | ddp | zero1 (DDP + sharded optimizer) | fsdp (FSDP2: ZeRO-2/3, HSDP)
+    # ddp | zero1 (DDP + ZeroRedundancyOptimizer) | replicate (FSDP2's replicate: ZeRO-0 with TP/PP) |
+    # replicate_zero1 (replicate + an optimizer sharded by parameter owner) | fsdp (FSDP2: ZeRO-2/3, HSDP)
+    data_parallel: str
     dtypes: Dtypes
     sharding: Sharding
     placement: Placement
@@ -176,11 +178,17 @@ def layout_of(cfg: Any, world: Optional[int] = None) -> Layout:
     return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp)
 
 
-def data_parallel(zero: int, dp: int) -> str:
+def data_parallel(zero: int, dp: int, tp: int = 1, pp: int = 1) -> str:
     """ZeRO-1 over a single data-parallel rank shards nothing: it is plain DDP (whose wrapper a
-    single rank skips), which also composes with tensor-parallel DTensors."""
+    single rank skips), which also composes with tensor-parallel DTensors. Replicated parameters over
+    data parallel > 1 together with tensor or pipeline parallel (Megatron's layout) run on FSDP2's
+    `replicate` (gradients all-reduced per block): DDP cannot wrap DTensor parameters nor reduce
+    pipeline stages' micro-batches, and ZeroRedundancyOptimizer cannot step DTensors, so ZeRO-1
+    there shards the optimizer by parameter owner (hpctrain.train.optim.ShardedOptimizer)."""
     if zero >= 2:
         return "fsdp"
+    if dp > 1 and (tp > 1 or pp > 1):
+        return "replicate_zero1" if zero == 1 else "replicate"
     return "zero1" if zero == 1 and dp > 1 else "ddp"
 
 
@@ -468,7 +476,7 @@ def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str
           pp_layers: tuple = ()) -> EngineSpec:
     """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
     return EngineSpec(
-        layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp), dtypes=dtypes(precision, zero),
+        layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp, layout.tp, layout.pp), dtypes=dtypes(precision, zero),
         sharding=sharding(zero, layout), placement=placement(offload, zero, layout.tp, master_on_nvme),
         pipeline=pipeline(model, layout.pp, schedule, virtual_stages, pp_layers), micro_batch=micro_batch,
         microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,

@@ -4,7 +4,8 @@
 
 For each layout every rank records, around one Trainer.train_step():
 - the dtypes every matmul ran in (a TorchDispatchMode over aten's mm/addmm/bmm/linear ops);
-- the dtypes gradients were reduced in (FSDP2's reduce-scatters, DDP's bucket all-reduces) and
+- the dtypes gradients were reduced in (FSDP2's reduce-scatters and all-reduces, DDP's bucket
+  all-reduces; the loss's and the gradient norm's all-reduces are fp32 as well) and
   parameters gathered in (FSDP2's all-gathers);
 - bytes of the gathered (not data-parallel-sharded) parameters registered on the modules when the
   output projection has run (what forward keeps gathered), of the gradients the optimizer gets, of the optimizer's moments after
@@ -78,7 +79,11 @@ def probe(t: Trainer) -> dict:
     record = {"reduce": set(), "gather": set(), "after_forward": 0, "n_reduce": 0, "n_gather": 0}
     tp_mesh = t.meshes.world["tp"] if t.spec.layout.tp > 1 else None
 
-    rs, ag = dist.reduce_scatter_single, dist.all_gather_single
+    rs, ag, ar = dist.reduce_scatter_single, dist.all_gather_single, dist.all_reduce
+
+    def all_reduce(tensor, *a, **kw):  # FSDP2's replicate (and HSDP) all-reduce gradients
+        record["reduce"].add(str(tensor.dtype).replace("torch.", ""))
+        return ar(tensor, *a, **kw)
 
     def reduce_scatter_single(output, input, *a, **kw):
         record["reduce"].add(str(input.dtype).replace("torch.", ""))
@@ -91,6 +96,7 @@ def probe(t: Trainer) -> dict:
         return ag(output, input, *a, **kw)
 
     dist.reduce_scatter_single, dist.all_gather_single = reduce_scatter_single, all_gather_single
+    dist.all_reduce = all_reduce
     part = t.parts[-1]
     model = getattr(part, "module", part)  # DDP wraps
     if hasattr(part, "register_comm_hook"):
@@ -124,7 +130,7 @@ def probe(t: Trainer) -> dict:
         with mode:
             t.train_step()
     finally:
-        dist.reduce_scatter_single, dist.all_gather_single = rs, ag
+        dist.reduce_scatter_single, dist.all_gather_single, dist.all_reduce = rs, ag, ar
         for h in hooks:
             h.remove()
     params = [p for q in t.parts for p in q.parameters()]

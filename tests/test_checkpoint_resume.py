@@ -88,6 +88,10 @@ def stopped_step(run_dir: Path) -> int:
 @pytest.mark.parametrize("first,then", [
     (("parallel=fsdp", "launcher.nproc=2"), ("parallel=ddp", "launcher.nproc=1")),  # FSDP2 dp2 -> DDP dp1
     (("parallel=fsdp", "launcher.nproc=4"), ("parallel=fsdp", "launcher.nproc=2")),  # dp 4 -> 2
+    # ZeRO-1 x TP 2, dp 2 (replicated DTensor parameters, moments saved by their owners only) -> FSDP2 dp2
+    (("parallel=ddp", "parallel.zero=1", "parallel.tp=2", "launcher.nproc=4"), ("parallel=fsdp", "launcher.nproc=2")),
+    # FSDP2 dp2 -> ZeRO-1 x PP 2, dp 2 (each owner loads its share of the moments)
+    (("parallel=fsdp", "launcher.nproc=2"), ("parallel=ddp", "parallel.zero=1", "parallel.pp=2", "launcher.nproc=4")),
 ])
 def test_resharded_resume_continues_the_same_run(tmp_path, uninterrupted, first, then):
     proc = interrupt_at(tmp_path, 4, *COMMON, *first)

@@ -112,6 +112,8 @@ REFUSED = {
     "shards-missing-dir": (("data=shards", "data.path=/nonexistent/hpctrain-shards"),
                            ("data.path=/nonexistent/hpctrain-shards", "Fix:", "hpctrain.data.prepare")),
     "bad-choice": (("train.precision=fp8",), ("train.precision=fp8", "fp32, bf16", "Fix: train.precision=fp32")),
+    "zero1-tp-offload": (("launcher.nproc=4", "parallel.tp=2", "parallel.zero=1", "offload.target=cpu"),
+                         ("offload.target=cpu", "parallel.zero=1", "tp=2", "Fix: parallel.zero=2 or 3")),
 }
 
 
@@ -124,6 +126,24 @@ def test_refused_message_names_key_and_fix(case):
 def test_all_problems_reported_at_once():
     msg = refusal("train.precision=fp8", "train.global_batch=10", "parallel.zero=5")
     assert_mentions(msg, "3 problems", "train.precision", "train.global_batch", "parallel.zero")
+
+
+@pytest.mark.parametrize("overrides", [
+    ("parallel.zero=0", "parallel.tp=2"), ("parallel.zero=1", "parallel.tp=2"),
+    ("parallel.zero=0", "parallel.pp=2"), ("parallel.zero=1", "parallel.pp=2"),
+    ("parallel.zero=1", "parallel.tp=2", "parallel.pp=2", "launcher.nproc=8"),
+])
+def test_replicated_data_parallel_composes_with_tp_and_pp(overrides):
+    """DDP / ZeRO-1 layouts (parameters replicated over data parallel) with TP or PP: accepted, and run on
+    FSDP2's replicate (ZeRO-1: the optimizer sharded by parameter owner) -- Megatron's layout."""
+    from hpctrain.spec import engine_spec
+
+    cfg, refused = compose_checked([TINY, "launcher.nproc=4", *overrides])
+    check(cfg, refused)  # raises ConfigError if refused
+    spec = engine_spec(cfg)
+    assert spec.layout.dp == 2
+    assert spec.data_parallel == ("replicate_zero1" if "parallel.zero=1" in overrides else "replicate")
+    assert spec.sharding.optimizer == ("parallel.zero=1" in overrides) and not spec.sharding.grads
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -26,13 +26,15 @@ from hpctrain.launch.local import launch
 
 WORKER = str(Path(__file__).with_name("engine_probe.py"))
 PRECISIONS = ("fp32", "bf16")
-# world -> (shape, ZeRO stages) probed at that world size. DDP and ZeRO-1 do not compose with TP or PP
-# when data parallel > 1 (refused by the checks), so they are probed there with data parallel 1.
+# world -> (shape, ZeRO stages) probed at that world size: with data parallel 1 at world 2 (DDP/ZeRO-1
+# then shard nothing), with data parallel 2 at world 4 (ZeRO 0/1 there: FSDP2's replicate and the
+# optimizer sharded by parameter owner).
 SHAPES = {
     2: [("plain", "", (0, 1, 2, 3)), ("step", "parallel.grad_sync=step", (2, 3)),
         ("tp2", "parallel.tp=2 parallel.dp_shard=1", (0, 1)),
         ("pp2", "parallel.pp=2 parallel.dp_shard=1", (0, 1))],
-    4: [("tp2", "parallel.tp=2 parallel.dp_shard=2", (2, 3)), ("pp2", "parallel.pp=2 parallel.dp_shard=2", (2, 3))],
+    4: [("tp2", "parallel.tp=2 parallel.dp_shard=2", (0, 1, 2, 3)),
+        ("pp2", "parallel.pp=2 parallel.dp_shard=2", (0, 1, 2, 3))],
 }
 CASES = [(world, name, f"{extra} parallel.zero={z} train.precision={prec}".strip(), z, prec)
          for world, shapes in SHAPES.items() for name, extra, zeros in shapes for z in zeros for prec in PRECISIONS]

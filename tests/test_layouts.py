@@ -40,7 +40,9 @@ LAYOUTS = {
         "parallel.zero=0 parallel.grad_sync=microbatch",
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
-        "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1"],
+        "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1",
+        # Replicated parameters over data parallel (DDP, ZeRO-1) composed with TP and with PP.
+        *(f"parallel.zero={z} parallel.{d}=2 parallel.dp_shard=2" for z in (0, 1) for d in ("tp", "pp"))],
     8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"],
 }
 

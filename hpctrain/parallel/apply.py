@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hpctrain.parallel.activation import apply_ac, apply_compile
-from hpctrain.parallel.data import apply_ddp, apply_fsdp
+from hpctrain.parallel.data import apply_ddp, apply_fsdp, apply_replicate
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
 from hpctrain.parallel.tensor import apply_tp, keep_grads_like_params
@@ -62,6 +62,9 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
                        reshard_after_forward=spec.sharding.reshard_after_forward, host_params=host,
                        pin_memory=host and device.type == "cuda" and pin_memory)
             init(part, param_device=torch.device("cpu") if host else None)
+        elif spec.data_parallel in ("replicate", "replicate_zero1"):
+            apply_replicate(part, meshes.dp)
+            init(part)
         else:
             init(part)  # DDP needs real weights to wrap
             if spec.layout.tp > 1:

@@ -1,5 +1,6 @@
-"""Data parallel: DDP (ZeRO-0 and, with a sharded optimizer, ZeRO-1) or FSDP2 (ZeRO-2 and -3; HSDP
-when the mesh has a replicate dimension)."""
+"""Data parallel: DDP (ZeRO-0 and, with a sharded optimizer, ZeRO-1), FSDP2's replicate (ZeRO-0 and -1
+composed with tensor and pipeline parallel) or FSDP2 (ZeRO-2 and -3; HSDP when the mesh has a
+replicate dimension)."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +36,17 @@ def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
 
     device_ids = None if next(model.parameters()).device.type == "cpu" else [next(model.parameters()).device]
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+
+
+def apply_replicate(model: nn.Module, dp_mesh) -> nn.Module:
+    """Parameters replicated over data parallel, gradients all-reduced in fp32: FSDP2's `replicate`
+    (torch's DDP built on FSDP2), per block then the root as apply_fsdp, so each block's all-reduce
+    overlaps the rest of the backward. Unlike DDP it takes tensor-parallel DTensor parameters (they
+    become DTensors over (dp, tp), replicated over dp) and pipeline stages drive it the way they drive
+    FSDP2 (gradient sync on a step's last backward only)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in model.layers.values():
+        replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    return model

@@ -288,9 +288,10 @@ def _engine(cfg):
     yield from split
     spec = engine_spec(cfg, pp_layers=() if split else None)  # the other checks on the automatic split
     lay = spec.layout
-    if lay.dp > 1 and (p.tp > 1 or p.pp > 1) and spec.data_parallel != "fsdp":
-        yield (f"parallel.zero={p.zero} with data parallel over {lay.dp} ranks and tp={p.tp}, pp={p.pp}: "
-               "DDP and ZeRO-1 do not compose with tensor/pipeline parallel here. Fix: parallel.zero=2 or 3")
+    if spec.data_parallel == "replicate_zero1" and cfg.offload.target != "none":
+        yield (f"offload.target={cfg.offload.target} with parallel.zero=1, data parallel over {lay.dp} ranks and "
+               f"tp={p.tp}, pp={p.pp}: the optimizer sharded by parameter owner does not offload. "
+               "Fix: parallel.zero=2 or 3, or offload.target=none")
     if p.dp_replicate > 1 and spec.data_parallel != "fsdp":
         yield ("parallel.dp_replicate>1 (HSDP) needs a sharded data-parallel engine. "
                "Fix: parallel.zero=2 or 3, or parallel.dp_replicate=1")

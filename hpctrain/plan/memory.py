@@ -348,7 +348,11 @@ def transients(job: Job, sp: StageParams) -> dict:
         out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)
     elif job.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
         out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
-    if job.zero <= 1 and lay.dp > 1:
+    if job.spec.data_parallel in ("replicate", "replicate_zero1"):
+        # FSDP2's replicate (ZeRO-0/1 with TP or PP) all-reduces each block's gradient in one fp32
+        # buffer as the backward passes it: no persistent buckets.
+        out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
+    elif job.zero <= 1 and lay.dp > 1:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.

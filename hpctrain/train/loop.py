@@ -77,7 +77,8 @@ class Trainer:
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             self.params, cfg.optim, cfg.train.steps, offload=cfg.offload,
-            zero_group=self.dp_mesh.get_group() if self.spec.data_parallel == "zero1" else None)
+            zero_group=self.dp_mesh.get_group() if self.spec.data_parallel == "zero1" else None,
+            shard_group=self.dp_mesh.get_group() if self.spec.data_parallel == "replicate_zero1" else None)
         self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,

@@ -15,11 +15,55 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, o, total_steps: int, zero_group=None, offload=None):
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 over parameters that may be DTensors (tensor parallel, FSDP2's replicate): each parameter
+    is owned by one rank of the data-parallel `group` (whole parameters, dealt largest first to the
+    least loaded rank, the same on every rank), whose local optimizer alone keeps its state and steps
+    it; the owner then broadcasts the updated parameter (its local tensor: the same tensor-parallel
+    slice on every rank of the group) to the others. Gradients stay whole on every rank (ZeRO-1).
+
+    `optim` is the local optimizer, so hpctrain.parallel.state checkpoints the owned state by name;
+    the learning rate schedule drives this object's param_groups, copied to `optim` at each step."""
+
+    def __init__(self, groups, optimizer_class, group, **kwargs):
+        import torch.distributed as dist
+
+        from torch.distributed.tensor import DTensor
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self._local = lambda p: p.to_local() if isinstance(p, DTensor) else p
+        params = [p for g in groups for p in g["params"]]
+        load = [0] * dist.get_world_size(group)
+        self.owner = {}
+        for i in sorted(range(len(params)), key=lambda i: -self._local(params[i]).numel()):
+            r = min(range(len(load)), key=lambda k: (load[k], k))
+            self.owner[params[i]] = r
+            load[r] += self._local(params[i]).numel()
+        mine = [{**g, "params": [p for p in g["params"] if self.owner[p] == self.rank]} for g in groups]
+        self.optim = optimizer_class(mine, **kwargs)
+        super().__init__(groups, defaults=dict(self.optim.defaults))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        loss = self.optim.step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                dist.broadcast(self._local(p), group=self.group, group_src=self.owner[p])
+        return loss
+
+
+def build_optimizer(params, o, total_steps: int, zero_group=None, offload=None, shard_group=None):
     """AdamW and its schedule. With `zero_group` (ZeRO-1) each rank of that group keeps the optimizer
     state of its share of the parameters only and broadcasts its updated parameters. With `offload`
     (an OffloadConfig whose target is cpu or nvme) the state lives in host memory or in files
-    (hpctrain.offload.HostAdamW), this rank's share of it only."""
+    (hpctrain.offload.HostAdamW), this rank's share of it only. With `shard_group` (ZeRO-1 composed
+    with tensor or pipeline parallel) a ShardedOptimizer does what ZeroRedundancyOptimizer does, for
+    DTensor parameters too."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms: decaying them only hurts
@@ -36,7 +80,9 @@ def build_optimizer(params, o, total_steps: int, zero_group=None, offload=None):
 
         optimizer_class = partial(HostAdamW, offload=offload)
         kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    if zero_group is not None:
+    if shard_group is not None:
+        opt = ShardedOptimizer(groups, optimizer_class, shard_group, **kwargs)
+    elif zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
