@@ -215,10 +215,7 @@ def script_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
     if "\\" in str(values["run.dir"]):
         out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
                    "name. Fix: choose a run.dir without backslashes")
-    for key in dict(c.env or {}):
-        if not _ENV_NAME.fullmatch(str(key)):
-            out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
-                       "Fix: use letters, digits and _ (not starting with a digit)")
+    out.extend(env_name_problems(c.env))
     return out
 
 
@@ -320,3 +317,10 @@ def _mount_problems(key: str, mount: str) -> list[str]:
             out.append(f"{key}={mount!r}: the {what} holds a space, quote, $, ` or backslash, which pyxis cannot "
                        f"pass to enroot. Fix: mount a directory above it whose path has none, as {fmt}")
     return out
+
+
+def env_name_problems(env) -> list[str]:
+    """cluster.env keys that are not environment variable names (a shell `export` or a pod's env refuses them)."""
+    return [f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
+            "Fix: use letters, digits and _ (not starting with a digit)"
+            for key in dict(env or {}) if not _ENV_NAME.fullmatch(str(key))]

@@ -12,10 +12,11 @@ import re
 from pathlib import PurePosixPath
 from typing import Any, Optional
 
+from hpctrain.plan.cluster_check import env_name_problems
+
 NAME_MAX = 50  # the pods' hostnames are <name>-<index>: a DNS label (63) with room for the index
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SLURM_MEM = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
 IMAGE_EXAMPLE = "nvcr.io/nvidia/pytorch:24.05-py3 with hpctrain installed, or your registry's image"
 
@@ -107,10 +108,7 @@ def k8s_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
     except ValueError:
         out.append(f"cluster.mem={c.mem} is not a Slurm memory size. Fix: e.g. cluster.mem=500G, or 0 for "
                    "no memory request")
-    for key in dict(c.env or {}):
-        if not _ENV_NAME.fullmatch(str(key)):
-            out.append(f"cluster.env has the key {str(key)!r}, which is not an environment variable name. "
-                       "Fix: use letters, digits and _ (not starting with a digit)")
+    out.extend(env_name_problems(c.env))
     if not str(c.container_python).strip():
         out.append("cluster.container_python is empty. Fix: cluster.container_python=python")
     if cfg.launcher.max_restarts < 0:
