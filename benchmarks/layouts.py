@@ -81,13 +81,21 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     "pp2": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "hsdp2x2": (4, ["parallel=fsdp", "parallel.dp_replicate=2", "train.global_batch=8"]),
     "tp2xpp2": (4, ["parallel=ddp", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    # Megatron's layout: parameters replicated over data parallel (FSDP2's replicate) with TP or PP
+    "ddp_tp2_dp2": (4, ["parallel=ddp", "parallel.tp=2", "parallel.dp_shard=2"]),
+    "zero1_pp2_dp2": (4, ["parallel=ddp", "parallel.zero=1", "parallel.pp=2", "parallel.dp_shard=2",
+                          "parallel.pp_schedule=1f1b"]),
+    # an uneven pipeline split, given by hand
+    "pp2_uneven": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_layers=[3,5]"]),
 }
 DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimizer + DDP), dp 2",
             "zero2": "ZeRO-2 (FSDP2, no reshard after fwd), dp 2", "zero3": "ZeRO-3 (FSDP2), dp 2",
             "zero2_step": "ZeRO-2, gradients reduced once per step, dp 2",
             "zero3_step": "ZeRO-3, gradients reduced once per step, dp 2",
             "tp2": "TP 2 (dp 1)", "pp2": "PP 2, 1f1b, 2 micro-batches", "hsdp2x2": "HSDP 2x2 (zero 3), 4 ranks",
-            "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks"}
+            "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks", "ddp_tp2_dp2": "DDP (replicate) x TP 2, dp 2, 4 ranks",
+            "zero1_pp2_dp2": "ZeRO-1 (sharded by owner) x PP 2, dp 2, 4 ranks",
+            "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5"}
 
 
 SET: list[str] = []  # --set: config overrides after every layout's own (the runs' and the planner's)

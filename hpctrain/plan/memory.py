@@ -368,8 +368,10 @@ def accumulated_grads(job: Job, sp: StageParams) -> float:
     """ZeRO-2/3 reducing once per step (parallel.grad_sync=step, and always under pipelining): FSDP2
     accumulates each micro-batch's gradient unsharded, in the reduce dtype (fp32), until the step's last
     backward reduce-scatters it (torch's FSDPParam.unsharded_accumulated_grad): the whole stage's
-    gradients, unsharded, from the first backward to the end of the last."""
-    if job.zero < 2 or job.zero_group == 1 or job.microbatches == 1 or job.params_on_host:
+    gradients, unsharded, from the first backward to the end of the last. FSDP2's replicate (ZeRO-0/1
+    with TP or PP) accumulates the same way, and its all-reduce writes each gradient anew beside it."""
+    replicate = job.spec.data_parallel in ("replicate", "replicate_zero1")
+    if not (job.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
         return 0.0
     return REDUCE_BYTES * sp.total if job.spec.grad_sync == "step" else 0.0
 
@@ -388,7 +390,7 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     held_g = in_flight_with_grads(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     logits = extra.pop("logits", 0.0)
     accum = accumulated_grads(job, sp)
-    if accum:  # the sharded gradients appear when the unsharded ones are reduced and freed, unit by unit
+    if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
     before = acts["activations"] + logits
     after = dev["grads"] + accum + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)

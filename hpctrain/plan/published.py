@@ -273,13 +273,17 @@ def published(r: dict) -> Published:
 def fits(job: Job, src: Source) -> bool:
     """Whether the job fits the GPU's memory as its engine runs it. The memory model is hpctrain's, whose
     tensor-parallel linears keep their gathered (full-sequence) inputs for backward; Megatron re-gathers
-    them (hpctrain.plan.memory.layer_activation_bytes), 2h (1 - 1/tp) elements per token and block less."""
+    them (hpctrain.plan.memory.layer_activation_bytes), 2h (1 - 1/tp) elements per token and block less;
+    and Megatron accumulates gradients straight into its fp32 main-grad buffer, where FSDP2's replicate
+    (hpctrain's ZeRO-0/1 with TP or PP) keeps an accumulated copy beside the reduced one."""
     mem = memory(job)
     extra = 0.0
+    if src.software in (MEGATRON, MEGATRON_2021):
+        extra += mem.device.get("unsharded_grads", 0.0) if job.zero <= 1 else 0.0
     if src.software in (MEGATRON, MEGATRON_2021) and job.layout.tp > 1:
         blocks = job.stage_layers(mem.stage) - checkpointed_layers(job.ac, job.stage_layers(mem.stage), job.ac_every)
         held = in_flight(job.schedule, job.layout.pp, job.microbatches, job.virtual_stages, mem.stage)
-        extra = held * blocks * job.micro_batch * job.seq_len * 2 * job.model.dim * (1 - 1 / job.layout.tp) * 2
+        extra += held * blocks * job.micro_batch * job.seq_len * 2 * job.model.dim * (1 - 1 / job.layout.tp) * 2
     return mem.device_total - extra <= mem.device_limit
 
 
