@@ -97,7 +97,7 @@ def test_a_failed_run_stops_profiling_and_writes_nothing(tmp_path):
 # --- the phase meter alone ------------------------------------------------------------------------
 
 
-PHASES = """
+PHASE_SCRIPT = """
 import torch
 from hpctrain.train.profile import PhaseMemory
 
@@ -130,7 +130,7 @@ def test_phase_peaks_are_per_phase_and_the_overall_peak_survives():
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent) + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", PHASES], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-c", PHASE_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "PHASES_OK" in proc.stdout, proc.stdout + proc.stderr
 
 
