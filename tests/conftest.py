@@ -66,3 +66,14 @@ def example_shards(example_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("example_shards")
     prepare(example_corpus / "corpus.jsonl", out, example_corpus / "tokenizer.json", val_fraction=0.05)
     return out
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-rank gloo process group in the test process, for Trainer-level tests."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -41,3 +41,20 @@ def wait_until(predicate, what: str, timeout_s: float, poll_s: float = 0.05) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: never happened (gave up after {timeout_s:.0f} s)")
         time.sleep(poll_s)
+
+
+SNAPSHOTS = REPO / "tests" / "snapshots"
+
+
+def check_snapshot(name: str, text: str) -> None:
+    """`text` equals tests/snapshots/<name>; HPCTRAIN_UPDATE_SNAPSHOTS=1 rewrites it (review the diff),
+    and a missing one is written and fails once, to be reviewed."""
+    import pytest
+
+    path = SNAPSHOTS / name
+    if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        SNAPSHOTS.mkdir(exist_ok=True)
+        path.write_text(text)
+        if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") != "1":
+            pytest.fail(f"wrote the missing snapshot {path}: review it and rerun")
+    assert text == path.read_text(), f"{name} changed; if intended: HPCTRAIN_UPDATE_SNAPSHOTS=1 pytest tests/"

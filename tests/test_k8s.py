@@ -23,8 +23,9 @@ from hpctrain.compose import ConfigError, compose, load
 from hpctrain.launch import k8s, k8s_pod
 from hpctrain.plan import k8s_check
 
+from helpers import check_snapshot
+
 REPO = Path(__file__).resolve().parent.parent
-SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 
 # Every key the manifest reads is given, so that edits to conf/cluster/h100.yaml (the planner's
 # figures) do not change the snapshot; dicts are set on the composed config.
@@ -66,16 +67,6 @@ def arg(command, flag):
     found = [a.split("=", 1)[1] for a in command if a.startswith(flag + "=")]
     assert len(found) == 1, (flag, command)
     return found[0]
-
-
-def check_snapshot(name: str, text: str) -> None:
-    path = SNAPSHOTS / name
-    if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") == "1" or not path.exists():
-        SNAPSHOTS.mkdir(exist_ok=True)
-        path.write_text(text)
-        if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") != "1":
-            pytest.fail(f"wrote the missing snapshot {path}: review it and rerun")
-    assert text == path.read_text(), f"{name} changed; if intended: HPCTRAIN_UPDATE_SNAPSHOTS=1 pytest {__file__}"
 
 
 # ------------------------------------------------------------------------------ the manifest's text

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,8 @@ from hpctrain.launch import chain
 from hpctrain.launch.multirun import dir_name, expand
 from hpctrain.launch.sbatch import sbatch_script
 
-from helpers import run_cli
+from helpers import check_snapshot, run_cli
 
-SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 
 def hydra_basic_sweeper(overrides: list[str]) -> list[list[str]]:
@@ -90,10 +88,7 @@ def test_array_script_snapshot():
                    "launcher.array_parallelism=2"])
     dirs = ["/runs/sweep/optim.lr=0.001", "/runs/sweep/optim.lr=0.003", "/runs/sweep/it's"]
     text = sbatch_script(cfg, "/runs/sweep", "/usr/bin/python3", array_dirs=dirs, array_parallelism=2)
-    path = SNAPSHOTS / "sweep_array.sbatch"
-    if os.environ.get("UPDATE_SNAPSHOTS"):
-        path.write_text(text)
-    assert text == path.read_text()
+    check_snapshot("sweep_array.sbatch", text)
     # bash itself picks task i's directory, quotes and all
     body = text.split("set -euo pipefail", 1)[1].split("# 1 node")[0].replace("set -u", "")
     for i, d in enumerate(dirs):

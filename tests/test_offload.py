@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpctrain.compose import compose
 from hpctrain.offload import HostAdamW, OffloadError
@@ -258,14 +257,6 @@ def test_full_disk_stops_before_any_state_is_written(tiny_disk, monkeypatch):
 
 
 # ---------------------------------------------------------------- the trainer, world of one
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _trainer(run_dir: Path, *overrides: str):
     from hpctrain.train.loop import Trainer

@@ -137,16 +137,6 @@ def test_phase_peaks_are_per_phase_and_the_overall_peak_survives():
 # --- fit() in process, one rank: preempted inside the window, then resumed ----------------------
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class StopAt(Preemption):
     """A preemption request that arrives during step `step`, as a signal would."""
 

@@ -10,7 +10,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf, open_dict
@@ -19,7 +18,8 @@ from hpctrain.plan.check import problems
 from hpctrain.compose import ConfigError, compose
 from hpctrain.launch.sbatch import directives, sbatch_script
 
-SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
+from helpers import check_snapshot
+
 PYTHON = "/opt/venv/bin/python"
 HOSTILE = 'x"; rm -rf ~; "'
 
@@ -72,16 +72,6 @@ def script_for(case: str, pythonpath: str | None = None) -> str:
     cfg = config(case)
     assert problems(cfg) == [], problems(cfg)
     return sbatch_script(cfg, cfg.run.dir, PYTHON, pythonpath)
-
-
-def check_snapshot(name: str, text: str) -> None:
-    path = SNAPSHOTS / name
-    if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") == "1" or not path.exists():
-        SNAPSHOTS.mkdir(exist_ok=True)
-        path.write_text(text)
-        if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") != "1":
-            pytest.fail(f"wrote the missing snapshot {path}: review it and rerun")
-    assert text == path.read_text(), f"{name} changed; if intended: HPCTRAIN_UPDATE_SNAPSHOTS=1 pytest {__file__}"
 
 
 @pytest.mark.parametrize("case", CASES)
