@@ -210,8 +210,11 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     m, tp, s = job.model, job.layout.tp, job.seq_len
     hd = m.dim // m.n_heads
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
-    gemm = (hw.gemm(tokens, h, q + 2 * kv) + hw.gemm(tokens, q, h)  # wq|wk|wv, wo
-            + 2 * hw.gemm(tokens, h, f) + hw.gemm(tokens, f, h))  # w1, w3, w2
+    # The four linears each sequence-parallel collective pairs with: wq|wk|wv after an all-gather, wo
+    # before a reduce-scatter, w1 and w3 after an all-gather, w2 before a reduce-scatter.
+    linears = (hw.gemm(tokens, h, q + 2 * kv), hw.gemm(tokens, q, h), 2 * hw.gemm(tokens, h, f),
+               hw.gemm(tokens, f, h))
+    gemm = sum(linears)
     if sw.flash:
         causal = 0.5 * min(2.0, 1 + ATTN_BLOCK / s)
         attn = 4 * tokens * s * q * causal / (hw.attn_flops * sw.attn_rate * hd / (hd + ATTN_HEAD_KNEE))
@@ -226,7 +229,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     # RMSNorms and residual adds on the (sequence-parallel) residual stream; RoPE on q and k; SwiGLU.
     per_token = (2 * b["norm"] + 2 * b["add"]) * h / tp + b["rope"] * (q + kv) + b["swiglu"] * f + b["copy"] * q
     elem = tokens * per_token * hw.elem / 2 / hw.hbm
-    return {"gemm": gemm, "attn": attn, "attn_bwd": attn_bwd, "elem": elem}
+    return {"gemm": gemm, "linears": linears, "attn": attn, "attn_bwd": attn_bwd, "elem": elem}
 
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
@@ -249,6 +252,7 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
 
     mb = job.microbatches
     colls = []
+    tp_exposed = 0.0
     if lay.tp > 1:
         # Sequence parallel: per block 2 all-gathers + 2 reduce-scatters of the residual stream forward,
         # the same backward, and again for a recomputed block; the output layer gathers once each way.
@@ -258,16 +262,31 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
         if last:  # vocab-parallel cross-entropy: max, sum-exp, target logit
             colls.append(_coll(job, "tp", "all_reduce", tokens * 4, 3 * mb))
-    tp_time = sum(c.total for c in colls) / mb
-    for c in colls:
-        c.exposed = c.total * (1 - sw.tp_overlap)
-    tp_exposed = tp_time * (1 - sw.tp_overlap)
+        c = colls[0].seconds  # all-gather and reduce-scatter of one activation cost the same
+        out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp) if last else 0.0
+        fwd_blocks = layers + recomputed
+        tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
+                      + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"])
+                      + (_tp_exposed(c, out, sw) + _tp_exposed(c, 2 * out, sw) if last else 0.0)
+                      + (colls[2].total / mb if last else 0.0))
+        share = tp_exposed * mb / (sum(x.total for x in colls) or 1.0)
+        for x in colls:
+            x.exposed = x.total * share
 
     sp = stage_params(job, stage)
     units = layers + first + last
     st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls)
     _zero_traffic(job, st, hw, sw)
     return st
+
+
+def _tp_exposed(comm: float, gemm: float, sw: Software) -> float:
+    """What stays exposed of a tensor-parallel collective that an engine overlaps with the GEMM it
+    feeds or drains (Megatron's userbuffers, torch's async TP: the GEMM is split into chunks and each
+    chunk's transfer runs under the previous chunk's matmul; Wang et al., ASPLOS 2023). It can hide
+    behind that GEMM's time and no more: a collective longer than its GEMM (thin shards at high TP)
+    stays partly exposed. `gemm` is the forward GEMM, or dgrad plus wgrad in backward."""
+    return comm - sw.tp_overlap * min(comm, gemm)
 
 
 def _hide(t: float, window: float, units: int, overlap: float) -> float:
