@@ -85,6 +85,9 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     "ddp_tp2_dp2": (4, ["parallel=ddp", "parallel.tp=2", "parallel.dp_shard=2"]),
     "zero1_pp2_dp2": (4, ["parallel=ddp", "parallel.zero=1", "parallel.pp=2", "parallel.dp_shard=2",
                           "parallel.pp_schedule=1f1b"]),
+    # ZeRO-3 under pipelining keeps a stage's parameters gathered from forward to backward
+    "zero3_pp2_dp2": (4, ["parallel=fsdp", "parallel.zero=3", "parallel.pp=2", "parallel.dp_shard=2",
+                          "parallel.pp_schedule=1f1b"]),
     # an uneven pipeline split, given by hand
     "pp2_uneven": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_layers=[3,5]"]),
 }
@@ -95,7 +98,7 @@ DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimiz
             "tp2": "TP 2 (dp 1)", "pp2": "PP 2, 1f1b, 2 micro-batches", "hsdp2x2": "HSDP 2x2 (zero 3), 4 ranks",
             "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks", "ddp_tp2_dp2": "DDP (replicate) x TP 2, dp 2, 4 ranks",
             "zero1_pp2_dp2": "ZeRO-1 (sharded by owner) x PP 2, dp 2, 4 ranks",
-            "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5"}
+            "zero3_pp2_dp2": "ZeRO-3 (FSDP2) x PP 2, dp 2, 4 ranks", "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5"}
 
 
 SET: list[str] = []  # --set: config overrides after every layout's own (the runs' and the planner's)

@@ -265,6 +265,24 @@ def test_communication_volume(job8):
     assert tcol["tp", "all_gather"]["busbw_gbps"] == tp.cluster.intra_node_gbps  # TP stays in the node
 
 
+def test_zero3_under_pipelining_keeps_the_stage_gathered(job8):
+    """With pipelining the engine does not reshard after forward (spec.sharding): each micro-batch gathers
+    the stage's parameters once (not again for backward), and at the peak the whole stage is gathered,
+    in bf16, beside the rank's shard. Measured on CPU: benchmarks/layouts.py zero3_pp2_dp2, 0.98-1.00."""
+    from hpctrain.plan.memory import stage_params
+
+    pp = job8.with_(layout=Layout(pp=2, dp_replicate=1, dp_shard=4, tp=1), zero=3, ac="none", schedule="1f1b")
+    assert not pp.spec.sharding.reshard_after_forward
+    dev = stage_memory(pp, 0)[0]
+    assert dev["gathered_params"] == pytest.approx(2 * stage_params(pp, 0).total)
+    gathers = {(c["dim"], c["op"]): c for c in throughput(pp).collectives}["dp_shard", "all_gather"]
+    assert gathers["count"] == pp.microbatches
+    flat = job8.with_(zero=3, ac="none")  # without pipelining: resharded after forward, gathered twice
+    assert "gathered_params" not in stage_memory(flat, 0)[0]
+    assert {(c["dim"], c["op"]): c for c in throughput(flat).collectives}["dp_shard", "all_gather"]["count"] \
+        == 2 * flat.microbatches
+
+
 def test_tp_overlap_hides_no_more_than_the_gemm_it_pairs_with():
     """An overlapping engine (Megatron's userbuffers, torch's async TP) hides a sequence-parallel collective
     behind the GEMM it feeds, never more than that GEMM's time. Llama 3 8B at TP 8 has 512-wide

@@ -342,7 +342,13 @@ def transients(job: Job, sp: StageParams) -> dict:
         # FSDP2 without resharding after forward: the gathered parameters (the model state's
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
-    if job.zero >= 3 and job.zero_group > 1:
+    if job.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
+        # Under pipelining ZeRO-3 does not reshard after forward (hpctrain.spec.sharding): a block
+        # gathered for a micro-batch's forward stays gathered until its backward, and a stage runs
+        # every block's forward before its first backward, so the whole stage is gathered at the peak.
+        out["gathered_params"] = pb * sp.total
+        out["fsdp_buffers"] = sp.largest_unit * REDUCE_BYTES
+    elif job.zero >= 3 and job.zero_group > 1:
         # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
         # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
         out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)

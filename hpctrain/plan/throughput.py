@@ -302,7 +302,8 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     updated parameters; ZeRO-2 and 3 reduce-scatter every micro-batch (parallel.grad_sync=microbatch,
     sharded gradients only) or once per step (grad_sync=step, and under pipelining: an unsharded fp32
     gradient accumulates, hpctrain.plan.memory.accumulated_grads); ZeRO-3 (FSDP) also gathers parameters
-    for forward and again for backward every micro-batch. With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
+    for forward and again for backward every micro-batch (once under pipelining, which keeps them
+    gathered from a micro-batch's forward to its backward). With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
     Gradients travel in fp32 (REDUCE_BYTES), parameters in the compute precision.
     """
     lay, mb, P = job.layout, job.microbatches, st.params
@@ -321,16 +322,20 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     else:
         per_mb = job.zero >= 2 and job.spec.grad_sync == "microbatch"
         rs_count = mb if per_mb else 1
+        # ZeRO-3 gathers for each micro-batch's forward, and again for its backward unless it keeps the
+        # parameters gathered in between (under pipelining, hpctrain.spec.sharding).
+        gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.zero >= 3 else 1
         colls = [_coll(job, "dp_shard", "reduce_scatter", grad, rs_count),
-                 _coll(job, "dp_shard", "all_gather", par, 2 * mb if job.zero >= 3 else 1)]
+                 _coll(job, "dp_shard", "all_gather", par, gathers)]
         if lay.dp_replicate > 1:
             colls.append(_coll(job, "dp_replicate", "all_reduce", grad / N, rs_count))
         reduce = colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0)
         gather = colls[1].seconds
+        bwd_gather = gather if job.spec.sharding.reshard_after_forward else 0.0
         if job.zero >= 3 and per_mb:
-            st.zero_exposed = hide(gather, fwd) + hide(gather + reduce, bwd)
+            st.zero_exposed = hide(gather, fwd) + hide(bwd_gather + reduce, bwd)
         elif job.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
-            st.zero_exposed = hide(gather, fwd) + hide(gather, bwd)
+            st.zero_exposed = hide(gather, fwd) + hide(bwd_gather, bwd)
             st.dp_exposed = hide(reduce, bwd)
         else:
             if per_mb:  # ZeRO-2: all but the last micro-batch hide their reduce-scatter under their backward
