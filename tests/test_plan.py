@@ -265,6 +265,26 @@ def test_communication_volume(job8):
     assert tcol["tp", "all_gather"]["busbw_gbps"] == tp.cluster.intra_node_gbps  # TP stays in the node
 
 
+def test_zero1_is_priced_as_each_engine_runs_it(job8):
+    """hpctrain's ZeRO-1 (DDP or FSDP2's replicate, then ZeroRedundancyOptimizer / ShardedOptimizer)
+    all-reduces the fp32 gradients and broadcasts the updated fp32 parameters after the step, in line;
+    Megatron's distributed optimizer reduce-scatters the gradients and all-gathers 16-bit parameters."""
+    from hpctrain.plan.throughput import HPCTRAIN, MEGATRON
+
+    p = param_counts(job8.model)["total"]
+    for lay in (job8.layout, Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2)):
+        job = job8.with_(layout=lay, zero=1, ac="none")
+        mine = throughput(job, HPCTRAIN)
+        by = {(c["dim"], c["op"]): c for c in mine.collectives}
+        assert set(by) >= {("dp", "all_reduce"), ("dp_shard", "broadcast")}, set(by)
+        assert by["dp", "all_reduce"]["bytes_per_step"] == pytest.approx(4 * p / lay.tp, rel=0.01)
+        assert by["dp_shard", "broadcast"]["bytes_per_step"] == pytest.approx(4 * p / lay.tp, rel=0.01)
+        assert mine.breakdown["dp_exposed"] >= by["dp_shard", "broadcast"]["time_s"]  # after the step: exposed
+        meg = {(c["dim"], c["op"]): c for c in throughput(job, MEGATRON).collectives}
+        assert meg["dp_shard", "all_gather"]["bytes_per_step"] == pytest.approx(2 * p / lay.tp, rel=0.01)
+        assert ("dp_shard", "broadcast") not in meg
+
+
 def test_zero3_under_pipelining_keeps_the_stage_gathered(job8):
     """With pipelining the engine does not reshard after forward (spec.sharding): each micro-batch gathers
     the stage's parameters once (not again for backward), and at the peak the whole stage is gathered,

@@ -67,6 +67,11 @@ class Software:
     fused: bool = False  # fused elementwise kernels; False: eager PyTorch unless the job compiles
     flash: bool = True  # flash attention; False: scores materialized in HBM
     attn_rate: float = 1.0  # its flash kernel's speed relative to FlashAttention-2 (or cuDNN's, alike)
+    # ZeRO-1's traffic: "reduce_scatter" (Megatron's distributed optimizer: reduce-scatter the gradients,
+    # all-gather the updated 16-bit parameters behind the next forward) or "all_reduce" (hpctrain: DDP's
+    # or FSDP2 replicate's all-reduce of fp32 gradients, then each owner broadcasts its updated fp32
+    # parameters after the step: ZeroRedundancyOptimizer, hpctrain.train.optim.ShardedOptimizer).
+    zero1: str = "reduce_scatter"
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
@@ -77,10 +82,10 @@ MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, 
 # buckets do; DTensor TP runs its collectives in line (torch's async TP needs torch.compile); the
 # Llama's norms, RoPE and SwiGLU run as eager PyTorch ops unless train.compile fuses them.
 # torchtitan is the same PyTorch-native stack.
-HPCTRAIN = Software("hpctrain", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0)
+HPCTRAIN = Software("hpctrain", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, zero1="all_reduce")
 # torchtitan with async TP (torch.compile + symmetric memory): TP collectives overlap the GEMMs they
 # feed, as Megatron's userbuffers do.
-TORCH_ASYNC_TP = Software("torch-async-tp", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0)
+TORCH_ASYNC_TP = Software("torch-async-tp", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, zero1="all_reduce")
 # llm-foundry's MPT on PyTorch FSDP (2023, its benchmark yamls: attn_impl triton): hpctrain's overlap;
 # native single-kernel LayerNorm and GELU; a Triton flash-attention kernel of FlashAttention v1's
 # generation, which FlashAttention-2 outruns ~1.8x forward + backward at head_dim 128 (Dao 2023, fig. 4).
@@ -127,7 +132,7 @@ class Hardware:
 @dataclass
 class Collective:
     dim: str  # mesh dimension: tp | dp | dp_shard | dp_replicate | pp
-    op: str  # all_gather | reduce_scatter | all_reduce | send_recv
+    op: str  # all_gather | reduce_scatter | all_reduce | broadcast | send_recv
     group: int
     nbytes: float  # the full buffer: all_gather output, reduce_scatter input, all_reduce buffer, message
     count: float  # calls per step on one rank
@@ -141,7 +146,7 @@ class Collective:
         n = self.group
         if self.op == "send_recv":
             return self.latency + self.nbytes / self.busbw
-        factor = {"all_reduce": 2 * (n - 1) / n}.get(self.op, (n - 1) / n)
+        factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.op, (n - 1) / n)
         steps = math.ceil(math.log2(n)) * (2 if self.op == "all_reduce" else 1)
         return steps * self.latency + factor * self.nbytes / self.busbw
 
@@ -299,7 +304,8 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     and st.dp_exposed (once per step), and each collective's share of the exposed time.
 
     ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers the
-    updated parameters; ZeRO-2 and 3 reduce-scatter every micro-batch (parallel.grad_sync=microbatch,
+    updated parameters, or all-reduces them and broadcasts the updated parameters (Software.zero1);
+    ZeRO-2 and 3 reduce-scatter every micro-batch (parallel.grad_sync=microbatch,
     sharded gradients only) or once per step (grad_sync=step, and under pipelining: an unsharded fp32
     gradient accumulates, hpctrain.plan.memory.accumulated_grads); ZeRO-3 (FSDP) also gathers parameters
     for forward and again for backward every micro-batch (once under pipelining, which keeps them
@@ -319,6 +325,10 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     if job.zero == 0 or N == 1:
         colls = [_coll(job, "dp", "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
+    elif job.zero == 1 and sw.zero1 == "all_reduce":
+        # The parameters are fp32 (hpctrain.spec.dtypes); the broadcasts follow the optimizer step.
+        colls = [_coll(job, "dp", "all_reduce", grad, 1), _coll(job, "dp_shard", "broadcast", P * 4, 1)]
+        st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
         per_mb = job.zero >= 2 and job.spec.grad_sync == "microbatch"
         rs_count = mb if per_mb else 1
