@@ -97,6 +97,11 @@ class ParallelConfig:
     # unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise
     # and with pipelining (torch's pipeline stages sync on the last backward).
     grad_sync: GradSync = GradSync("auto")
+    # With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
+    # gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead
+    # of keeping the gathered tensor for backward: 2 x tokens x dim x (tp-1)/tp fewer elements per block
+    # and micro-batch, 2 more all-gathers per block in backward. Not under train.compile.
+    sp_regather: bool = True
 
 
 @dataclass

@@ -150,6 +150,8 @@ class EngineSpec:
     flops_per_token: float  # model FLOPs per trained token (MFU's numerator)
     # step | microbatch: gradients reduced once per optimizer step or after every micro-batch
     grad_sync: str = "step"
+    # sequence-parallel inputs re-gathered in backward (parallel.sp_regather, with TP and not compiled)
+    sp_regather: bool = False
 
 
 # ------------------------------------------------------------------------------------- the rules
@@ -466,14 +468,15 @@ def engine_spec(cfg: Any, world: Optional[int] = None, pp_layers: Optional[tuple
                  master_on_nvme=bool(cfg.offload.master_on_nvme), schedule=p.pp_schedule,
                  virtual_stages=p.pp_virtual_stages, pp_layers=split, global_batch=t.global_batch, micro_batch=t.micro_batch,
                  seq_len=cfg.data.seq_len, ac=p.ac, ac_every=p.ac_every, compile=bool(t.compile), nodes=nodes,
-                 ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend, sync=p.grad_sync)
+                 ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend, sync=p.grad_sync,
+                 sp_regather=bool(p.sp_regather))
 
 
 def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
           virtual_stages: int, global_batch: int, micro_batch: int, seq_len: int, ac: str = "none",
           ac_every: int = 2, compile: bool = False, master_on_nvme: bool = False, nodes: int = 1,
           ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto",
-          pp_layers: tuple = ()) -> EngineSpec:
+          pp_layers: tuple = (), sp_regather: bool = False) -> EngineSpec:
     """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
     return EngineSpec(
         layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp, layout.tp, layout.pp), dtypes=dtypes(precision, zero),
@@ -482,4 +485,5 @@ def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str
         microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,
         compile=compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],
-        flops_per_token=train_flops_per_token(model, seq_len), grad_sync=grad_sync(str(sync), int(zero), layout))
+        flops_per_token=train_flops_per_token(model, seq_len), grad_sync=grad_sync(str(sync), int(zero), layout),
+        sp_regather=bool(sp_regather) and layout.tp > 1 and not compile)

@@ -35,6 +35,9 @@ UNEVEN_BLOCKS = {UNEVEN: [[0, 1], [2]],
 LAYOUTS = {
     2: ["parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
+        # TP keeping its gathered sequence-parallel inputs for backward (the default re-gathers them)
+        "parallel.tp=2 parallel.dp_shard=1 parallel.sp_regather=false",
+        "parallel.tp=2 parallel.dp_shard=1 parallel.ac=selective",  # re-gathers in the blocks not checkpointed
         "parallel.zero=3 parallel.ac=full", "parallel.zero=2 parallel.ac=selective",
         "parallel.zero=3 parallel.grad_sync=step", "parallel.zero=2 parallel.grad_sync=step",
         "parallel.zero=0 parallel.grad_sync=microbatch",

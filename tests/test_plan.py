@@ -261,7 +261,11 @@ def test_communication_volume(job8):
     tp = job8.with_(layout=Layout(pp=1, dp_replicate=1, dp_shard=2, tp=4), zero=1, ac="none")
     tcol = {(c["dim"], c["op"]): c for c in throughput(tp).collectives}
     layers = job8.model.n_layers
-    assert tcol["tp", "all_gather"]["count"] == tp.microbatches * (4 * layers + 1)
+    assert tcol["tp", "reduce_scatter"]["count"] == tp.microbatches * (4 * layers + 1)
+    # parallel.sp_regather (the default): backward gathers each block's two inputs and the output layer's again
+    assert tcol["tp", "all_gather"]["count"] == tp.microbatches * (6 * layers + 2)
+    kept = {(c["dim"], c["op"]): c for c in throughput(tp.with_(sp_regather=False)).collectives}
+    assert kept["tp", "all_gather"]["count"] == tp.microbatches * (4 * layers + 1)
     assert tcol["tp", "all_gather"]["busbw_gbps"] == tp.cluster.intra_node_gbps  # TP stays in the node
 
 

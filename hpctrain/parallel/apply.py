@@ -1,5 +1,6 @@
 """Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> activation checkpointing -> compile -> data parallel -> materialize.
+pipeline split -> tensor parallel -> activation checkpointing -> sequence-parallel re-gather -> compile
+-> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
 parallel, the stages the schedule drives. Every decision (which engine, dtypes, resharding, where
@@ -17,6 +18,7 @@ from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data import apply_ddp, apply_fsdp, apply_replicate
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
+from hpctrain.parallel.regather import apply_sp_regather
 from hpctrain.parallel.tensor import apply_tp, keep_grads_like_params
 from hpctrain.spec import EngineSpec
 
@@ -53,6 +55,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_tp(part, meshes.world["tp"])
         if spec.ac != "none":
             apply_ac(part, spec.ac, spec.ac_every)
+        if spec.sp_regather:
+            apply_sp_regather(part)
         if spec.compile:
             apply_compile(part)
         if spec.data_parallel == "fsdp":

@@ -54,6 +54,7 @@ class Job:
     grad_sync: str = "auto"  # auto | step | microbatch (parallel.grad_sync; the spec resolves auto)
     pp_layers: tuple = ()  # blocks per pipeline stage (parallel.pp_layers); () = the automatic split
     compile: bool = False  # train.compile: torch.compile fuses the elementwise kernels
+    sp_regather: bool = True  # parallel.sp_regather (the spec applies it with TP, uncompiled)
 
     @property
     def world(self) -> int:
@@ -67,7 +68,7 @@ class Job:
                      schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
                      micro_batch=self.micro_batch, seq_len=self.seq_len, ac=self.ac, ac_every=self.ac_every,
                      compile=self.compile, nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device, sync=self.grad_sync,
-                     pp_layers=tuple(self.pp_layers))
+                     pp_layers=tuple(self.pp_layers), sp_regather=self.sp_regather)
 
     @property
     def microbatches(self) -> int:
@@ -117,7 +118,8 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
                schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, pp_layers=tuple(p.pp_layers),
                offload=cfg.offload.target,
-               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync), compile=bool(t.compile))
+               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync), compile=bool(t.compile),
+               sp_regather=bool(p.sp_regather))
 
 
 def cluster_of(cfg: Any) -> ClusterConfig:
@@ -206,19 +208,21 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 # Activations
 
 
-def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str) -> float:
+def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
     Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp), the q/k/v
     outputs after RoPE (h + 2 kv), the attention output (h; flash attention keeps no s x s matrix),
     the SwiGLU's w1 and w3 outputs, silu(w1) and the product (4 ffn), all / tp. The two norm
-    outputs that feed column-parallel linears are saved *after* the sequence-parallel all-gather
-    (torch's ColwiseParallel saves its gathered input; Megatron re-gathers instead), so 2h are not
-    divided by tp. Without TP the sum is 6h + 2kv + 4ffn elements per token.
+    outputs that feed column-parallel linears are all-gathered over TP: torch's ColwiseParallel saves
+    that gathered input (2h not divided by tp); with `regather` (parallel.sp_regather, as Megatron)
+    only the rank's 1/tp of it is kept and gathered again in backward. Without TP the sum is
+    6h + 2kv + 4ffn elements per token.
     """
     head_dim = m.dim // m.n_heads
     kv = m.n_kv_heads * head_dim
-    per_token = 2 * m.dim + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 4 * m.ffn_dim) / tp
+    gathered = 2 * m.dim / (tp if regather else 1)
+    per_token = gathered + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 4 * m.ffn_dim) / tp
     return tokens * per_token * BYTES[precision]
 
 
@@ -291,11 +295,12 @@ def activations(job: Job, stage: int) -> dict:
     m, lay, pr = job.model, job.layout, job.precision
     tokens = job.micro_batch * job.seq_len
     layers = job.stage_layers(stage)
-    full = layer_activation_bytes(m, tokens, lay.tp, pr)
+    regather = job.spec.sp_regather
+    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather)
     ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr) + (layers - ckpt) * full
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
-        per_mb += tokens * m.dim * (1 / lay.tp + 1) * BYTES[pr]
+        per_mb += tokens * m.dim * (1 / lay.tp + (1 / lay.tp if regather else 1)) * BYTES[pr]
     held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from hpctrain.config import ClusterConfig, ModelConfig
 from hpctrain.flops import param_counts
-from hpctrain.plan.memory import Job, checkpointed_layers, in_flight, memory
+from hpctrain.plan.memory import Job, memory
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, MEGATRON, MEGATRON_2021,
                                       TORCH_ASYNC_TP, Software, throughput)
 from hpctrain.spec import Layout
@@ -259,7 +259,9 @@ def published(r: dict) -> Published:
     zero = _int(r["zero"], 3)
     base = Job(model=m, cluster=cluster_for(r["gpu"], gpus), layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp),
                seq_len=s, global_batch=_int(r["global_batch"]), precision="bf16", zero=zero,
-               compile=src.compile or "compile" in r["notes"])
+               compile=src.compile or "compile" in r["notes"],
+               # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
+               sp_regather=p.software in (MEGATRON, MEGATRON_2021))
     knobs, p.tuned = _choices(r, src, m, dp, pp)
     jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.micro_batch * dp == j.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
@@ -271,19 +273,13 @@ def published(r: dict) -> Published:
 
 
 def fits(job: Job, src: Source) -> bool:
-    """Whether the job fits the GPU's memory as its engine runs it. The memory model is hpctrain's, whose
-    tensor-parallel linears keep their gathered (full-sequence) inputs for backward; Megatron re-gathers
-    them (hpctrain.plan.memory.layer_activation_bytes), 2h (1 - 1/tp) elements per token and block less;
-    and Megatron accumulates gradients straight into its fp32 main-grad buffer, where FSDP2's replicate
+    """Whether the job fits the GPU's memory as its engine runs it. The memory model is hpctrain's;
+    Megatron accumulates gradients straight into its fp32 main-grad buffer, where FSDP2's replicate
     (hpctrain's ZeRO-0/1 with TP or PP) keeps an accumulated copy beside the reduced one."""
     mem = memory(job)
     extra = 0.0
     if src.software in (MEGATRON, MEGATRON_2021):
         extra += mem.device.get("unsharded_grads", 0.0) if job.zero <= 1 else 0.0
-    if src.software in (MEGATRON, MEGATRON_2021) and job.layout.tp > 1:
-        blocks = job.stage_layers(mem.stage) - checkpointed_layers(job.ac, job.stage_layers(mem.stage), job.ac_every)
-        held = in_flight(job.schedule, job.layout.pp, job.microbatches, job.virtual_stages, mem.stage)
-        extra += held * blocks * job.micro_batch * job.seq_len * 2 * job.model.dim * (1 - 1 / job.layout.tp) * 2
     return mem.device_total - extra <= mem.device_limit
 
 

@@ -263,15 +263,20 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         # the same backward, and again for a recomputed block; the output layer gathers once each way.
         act = tokens * m.dim * hw.elem
         per_mb = 4 * layers + 2 * recomputed + last
-        colls.append(_coll(job, "tp", "all_gather", act, per_mb * mb))
+        # parallel.sp_regather: backward gathers again the inputs of the blocks it did not recompute
+        again = (2 * (layers - recomputed) + last) if job.spec.sp_regather else 0
+        colls.append(_coll(job, "tp", "all_gather", act, (per_mb + again) * mb))
         colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
         if last:  # vocab-parallel cross-entropy: max, sum-exp, target logit
             colls.append(_coll(job, "tp", "all_reduce", tokens * 4, 3 * mb))
         c = colls[0].seconds  # all-gather and reduce-scatter of one activation cost the same
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp) if last else 0.0
         fwd_blocks = layers + recomputed
+        # A re-gather feeds the weight-gradient GEMM of wq|wk|wv or w1|w3 (or the output layer's).
+        regathered = (layers - recomputed) * (_tp_exposed(c, lf["linears"][0], sw) + _tp_exposed(c, lf["linears"][2], sw)) \
+            + (_tp_exposed(c, out, sw) if last else 0.0) if job.spec.sp_regather else 0.0
         tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
-                      + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"])
+                      + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"]) + regathered
                       + (_tp_exposed(c, out, sw) + _tp_exposed(c, 2 * out, sw) if last else 0.0)
                       + (colls[2].total / mb if last else 0.0))
         share = tp_exposed * mb / (sum(x.total for x in colls) or 1.0)

@@ -1,0 +1,94 @@
+"""What one forward leaves alive for backward (one multi-rank launch, as engine_probe.py):
+
+    python tests/regather_probe.py OUT.json 'override ...' ...
+
+For each layout every rank trains two steps of one micro-batch; during the second, a TorchDispatchMode
+keeps a weak reference to every tensor an op makes (for a DTensor, its local tensor), and when the
+output layer's backward is about to start (every block's saved tensors alive) the bytes of the distinct
+storages still alive are summed: what autograd keeps, whoever keeps it. (The resident set says the same
+per block, but the runtime's own buffers blur it by a few MiB.) Rank 0 writes {layout: [per-rank dicts]}
+to OUT.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hpctrain.compose import compose
+from hpctrain.train.loop import Trainer
+
+from rank_worker import over_layouts, run_rank_of_layouts
+
+COMMON = ["+experiment=tiny", "data.seq_len=1024", "train.global_batch=8", "train.micro_batch=8",
+          "optim.warmup_steps=2", "checkpoint.every=0", "train.steps=3"]
+
+
+class Made(TorchDispatchMode):
+    """Weak references to the tensors every op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs.extend(weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+    def alive_bytes(self) -> int:
+        from torch.distributed.tensor import DTensor
+
+        storages = {}
+        for ref in self.refs:
+            t = ref()
+            if t is None:
+                continue
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            try:
+                s = local.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+            except RuntimeError:  # tensors without storage (wrappers of the collectives in flight)
+                pass
+        return sum(storages.values())
+
+
+def probe(t: Trainer) -> dict:
+    part = t.parts[-1]
+    model = getattr(part, "module", part)
+    made, seen = Made(), {}
+
+    def mark(*_):
+        seen["forward"] = made.alive_bytes()  # returns None: the gradients stay as they are
+
+    t.train_step()  # the first step also builds the optimizer state: not this probe's subject
+    hook = model.output.register_full_backward_pre_hook(mark)
+    try:
+        with made:
+            loss, _ = t.train_step()
+    finally:
+        hook.remove()
+    return {"rank": dist.get_rank(), "forward": seen["forward"], "loss": loss.item()}
+
+
+def main() -> None:
+    out, layouts = sys.argv[1], sys.argv[2:]
+
+    def one(spec: str, d: str, de) -> list:
+        run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
+        cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
+        mine = probe(Trainer(cfg, run, torch.device("cpu")))
+        gathered = [None] * de.world
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    over_layouts(out, layouts, one)
+
+
+if __name__ == "__main__":
+    run_rank_of_layouts(main)
