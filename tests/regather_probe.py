@@ -5,7 +5,8 @@
 For each layout every rank trains two steps of one micro-batch; during the second, a TorchDispatchMode
 keeps a weak reference to every tensor an op makes (for a DTensor, its local tensor), and when the
 output layer's backward is about to start (every block's saved tensors alive) the bytes of the distinct
-storages still alive are summed: what autograd keeps, whoever keeps it. (The resident set says the same
+storages still alive are summed: what autograd keeps, whoever keeps it; and again once the step is
+over (what it left behind). (The resident set says the same
 per block, but the runtime's own buffers blur it by a few MiB.) Rank 0 writes {layout: [per-rank dicts]}
 to OUT.json.
 """
@@ -73,7 +74,8 @@ def probe(t: Trainer) -> dict:
             loss, _ = t.train_step()
     finally:
         hook.remove()
-    return {"rank": dist.get_rank(), "forward": seen["forward"], "loss": loss.item()}
+    # What the step left behind (no garbage collection first: a reference cycle would show here).
+    return {"rank": dist.get_rank(), "forward": seen["forward"], "after": made.alive_bytes(), "loss": loss.item()}
 
 
 def main() -> None:

@@ -95,6 +95,9 @@ def apply_sp_regather(model: nn.Module) -> nn.Module:
         h = mod.__dict__.pop("_regather", None)
         if h is not None:
             h.ctx.__exit__(None, None, None)
+            # ctx holds h's bound methods: a cycle that would keep every shard until the garbage
+            # collector runs. Autograd alone holds the shards from here on.
+            h.ctx, h.saved = None, {}
 
     targets = [b for b in model.layers.values() if not isinstance(b, CheckpointWrapper)]
     mods = [m for b in targets for m in (b.attention, b.feed_forward)]

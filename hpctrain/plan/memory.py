@@ -211,18 +211,19 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
-    Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp), the q/k/v
-    outputs after RoPE (h + 2 kv), the attention output (h; flash attention keeps no s x s matrix),
-    the SwiGLU's w1 and w3 outputs, silu(w1) and the product (4 ffn), all / tp. The two norm
+    Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp; the norm keeps
+    only its input and a per-token scale, hpctrain.models.llama), the q/k/v outputs after RoPE
+    (h + 2 kv), the attention output (h; flash attention keeps no s x s matrix), the SwiGLU's w1 and
+    w3 outputs and the product w2 reads (3 ffn: silu(w1) is recomputed), all / tp. The two norm
     outputs that feed column-parallel linears are all-gathered over TP: torch's ColwiseParallel saves
     that gathered input (2h not divided by tp); with `regather` (parallel.sp_regather, as Megatron)
     only the rank's 1/tp of it is kept and gathered again in backward. Without TP the sum is
-    6h + 2kv + 4ffn elements per token.
+    6h + 2kv + 3ffn elements per token (measured: tests/test_sp_regather.py).
     """
     head_dim = m.dim // m.n_heads
     kv = m.n_kv_heads * head_dim
     gathered = 2 * m.dim / (tp if regather else 1)
-    per_token = gathered + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 4 * m.ffn_dim) / tp
+    per_token = gathered + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp
     return tokens * per_token * BYTES[precision]
 
 
