@@ -229,6 +229,8 @@ def _choices(r: dict, src: Source, m: ModelConfig, dp: int, pp: int) -> tuple[li
         for sched, v in scheds:
             if sched == "interleaved_1f1b" and micro % pp:
                 continue  # Megatron's interleaving needs micro-batches in multiples of pp
+            if pp > 1 and micro < pp:
+                continue  # a pipeline needs at least pp micro-batches (what the engine refuses, no run did)
             for ac in acs:
                 out.append({"micro_batch": mb, "schedule": sched, "virtual_stages": v, "ac": ac})
     return out, tuple(tuned)
