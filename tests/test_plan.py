@@ -229,6 +229,33 @@ def test_infeasible_request_says_why():
 # --- time -----------------------------------------------------------------------------------
 
 
+def test_refusals_quote_the_problem_they_count():
+    """Each refusal line's example quotes that refusal's own message, not the example's first problem
+    (a layout refused for device and host memory counted under host memory quoted its device memory)."""
+    job = job_of(compose(["+experiment=70b", "cluster.host_mem_gb=64"]))
+    res = search(job, Space(zeros=(1, 3), offloads=("none", "cpu"), micro_batches=(1, 4)))
+    text = explain(res)
+    lines = [line for line in text.splitlines() if " x " in line and "(e.g. " in line]
+    assert any(len(res.examples[r].reasons) > 1 for r in res.failures), res.failures  # the case exists
+    for line in lines:
+        reason = line.split(" x ", 1)[1].split("  (e.g. ")[0]
+        ex = res.examples[reason]
+        assert ex.problems[ex.reasons.index(reason)] in line, (reason, line)
+
+
+def test_search_refuses_pipelines_with_fewer_micro_batches_than_stages(job8):
+    """As the login check does (torch's schedules refuse it): such a layout is never ranked."""
+    from hpctrain.plan.search import layout_problems
+
+    few = job8.with_(layout=Layout(pp=4, dp_replicate=1, dp_shard=2, tp=1), micro_batch=8, zero=1)
+    assert few.microbatches < 4
+    assert "micro-batches < pp" in [r for r, _ in layout_problems(few)]
+    enough = few.with_(micro_batch=1)
+    assert enough.microbatches >= 4 and "micro-batches < pp" not in [r for r, _ in layout_problems(enough)]
+    res = search(job8, Space(zeros=(1,), micro_batches=(1, 8)))
+    assert all(c.job.microbatches >= c.job.layout.pp for c in res.ranked)
+
+
 def test_calibration_against_megatron_h100(h100):
     rows = calibration(h100)
     print("\nMegatron-LM H100 table, TFLOP/s per GPU (Megatron-LM README):\n" + calibration_table(rows))

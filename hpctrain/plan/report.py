@@ -124,7 +124,7 @@ def explain(res: SearchResult, top: int = 10, why: int = 3, request: Optional[Jo
         out.append("refused:")
         for reason, n in res.failures.most_common():
             ex = res.examples[reason]
-            out.append(f"  {n:>6} x {reason}  (e.g. {describe(ex.job)}: {ex.problems[0]})")
+            out.append(f"  {n:>6} x {reason}  (e.g. {describe(ex.job)}: {ex.problems[ex.reasons.index(reason)]})")
     if res.near_misses:
         out.append("closest to fitting:")
         out += [f"  {describe(c.job)}: {gib(c.memory.device_total)}" for c in res.near_misses]

@@ -99,6 +99,9 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
         out.append(("global_batch % (dp x micro_batch)",
                     f"train.global_batch={job.global_batch} is not divisible by data-parallel ranks "
                     f"({lay.dp}) x train.micro_batch={job.micro_batch}"))
+    if lay.pp > 1 and lay.dp >= 1 and job.microbatches < lay.pp:
+        out.append(("micro-batches < pp", f"{job.microbatches} micro-batches per step for parallel.pp={lay.pp}: "
+                                          "a pipeline needs at least pp micro-batches"))
     if lay.pp > 1 and job.schedule == "interleaved_1f1b":
         if job.microbatches % lay.pp:
             out.append(("interleaved: micro-batches % pp",
