@@ -45,7 +45,10 @@ LAYOUTS = {
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
         "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1",
         # Replicated parameters over data parallel (DDP, ZeRO-1) composed with TP and with PP.
-        *(f"parallel.zero={z} parallel.{d}=2 parallel.dp_shard=2" for z in (0, 1) for d in ("tp", "pp"))],
+        *(f"parallel.zero={z} parallel.{d}=2 parallel.dp_shard=2" for z in (0, 1) for d in ("tp", "pp")),
+        # ... under the multi-stage schedules too (gradients synced on each stage's last backward)
+        "parallel.zero=1 parallel.pp=2 parallel.dp_shard=2 parallel.pp_schedule=interleaved_1f1b",
+        "parallel.zero=0 parallel.pp=2 parallel.dp_shard=2 parallel.pp_schedule=zbv"],
     8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"],
 }
 
