@@ -16,17 +16,14 @@ Rank 0 writes {layout: [per-rank dicts]} to OUT.json.
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpctrain.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts
+from rank_worker import probe_trainers, run_rank_of_layouts
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0", "train.steps=2"]
@@ -147,17 +144,7 @@ def probe(t: Trainer) -> dict:
 
 
 def main() -> None:
-    out, layouts = sys.argv[1], sys.argv[2:]
-
-    def one(spec: str, d: str, de) -> list:
-        run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-        cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
-        mine = probe(Trainer(cfg, run, torch.device("cpu")))
-        gathered = [None] * de.world
-        dist.all_gather_object(gathered, mine)
-        return gathered
-
-    over_layouts(out, layouts, one)
+    probe_trainers(COMMON, probe)
 
 
 if __name__ == "__main__":

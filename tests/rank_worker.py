@@ -1,5 +1,5 @@
-"""What the multi-rank test workers share (layout_worker.py, engine_probe.py, offload_worker.py): one
-launch runs many layouts, since importing torch costs seconds per rank."""
+"""What the multi-rank test workers share (layout_worker.py, engine_probe.py, regather_probe.py,
+offload_worker.py): one launch runs many layouts, since importing torch costs seconds per rank."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,27 @@ def over_layouts(out: str, layouts: list[str], one: Callable[[str, str, Any], An
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def probe_trainers(common: list[str], probe: Callable[[Any], Any]) -> None:
+    """A probe worker's main (OUT.json and layouts on the command line): for every layout each rank builds
+    a Trainer of `common` + the layout, calls `probe(trainer)`, and rank 0 writes {layout: [the result
+    of every rank]}."""
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.compose import compose
+    from hpctrain.train.loop import Trainer
+
+    def one(spec: str, d: str, de) -> list:
+        run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
+        cfg = compose([*common, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
+        mine = probe(Trainer(cfg, run, torch.device("cpu")))
+        gathered = [None] * de.world
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    over_layouts(sys.argv[1], sys.argv[2:], one)
 
 
 def train_steps(trainer, steps: int) -> dict:

@@ -2,18 +2,16 @@
 
     python tests/regather_probe.py OUT.json 'override ...' ...
 
-For each layout every rank trains two steps of one micro-batch; during the second, a TorchDispatchMode
-keeps a weak reference to every tensor an op makes (for a DTensor, its local tensor), and when the
-output layer's backward is about to start (every block's saved tensors alive) the bytes of the distinct
-storages still alive are summed: what autograd keeps, whoever keeps it; and again once the step is
-over (what it left behind). (The resident set says the same
+For each layout every rank trains two steps; a TorchDispatchMode keeps a weak reference to every tensor
+an op makes (for a DTensor, its local tensor), and when the output layer's backward is about to start in
+the second step (every block's saved tensors alive) the bytes of the distinct storages still alive are
+summed, less what the first step left (the optimizer state): what autograd keeps, whoever keeps it.
+What is alive after each step is recorded too (the optimizer state, and anything left behind). (The resident set says the same
 per block, but the runtime's own buffers blur it by a few MiB.) Rank 0 writes {layout: [per-rank dicts]}
 to OUT.json.
 """
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 
 import torch
@@ -21,10 +19,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hpctrain.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts
+from rank_worker import probe_trainers, run_rank_of_layouts
 
 COMMON = ["+experiment=tiny", "data.seq_len=1024", "train.global_batch=8", "train.micro_batch=8",
           "optim.warmup_steps=2", "checkpoint.every=0", "train.steps=3"]
@@ -65,31 +62,24 @@ def probe(t: Trainer) -> dict:
     made, seen = Made(), {}
 
     def mark(*_):
-        seen["forward"] = made.alive_bytes()  # returns None: the gradients stay as they are
+        seen["forward"] = made.alive_bytes() - seen["base"]  # returns None: the gradients stay as they are
 
-    t.train_step()  # the first step also builds the optimizer state: not this probe's subject
-    hook = model.output.register_full_backward_pre_hook(mark)
-    try:
-        with made:
+    with made:
+        t.train_step()  # the first also builds the optimizer state (and a pipeline's shapes)
+        seen["base"] = made.alive_bytes()
+        hook = model.output.register_full_backward_pre_hook(mark) if model.output is not None else None
+        try:
             loss, _ = t.train_step()
-    finally:
-        hook.remove()
-    # What the step left behind (no garbage collection first: a reference cycle would show here).
-    return {"rank": dist.get_rank(), "forward": seen["forward"], "after": made.alive_bytes(), "loss": loss.item()}
+        finally:
+            if hook is not None:
+                hook.remove()
+    # What each step left behind (no garbage collection first: a reference cycle would show here).
+    return {"rank": dist.get_rank(), "forward": seen.get("forward"), "after_first": seen["base"],
+            "after": made.alive_bytes(), "loss": loss.item()}
 
 
 def main() -> None:
-    out, layouts = sys.argv[1], sys.argv[2:]
-
-    def one(spec: str, d: str, de) -> list:
-        run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-        cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
-        mine = probe(Trainer(cfg, run, torch.device("cpu")))
-        gathered = [None] * de.world
-        dist.all_gather_object(gathered, mine)
-        return gathered
-
-    over_layouts(out, layouts, one)
+    probe_trainers(COMMON, probe)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,10 @@ class _Hooks:
 
         if not (isinstance(t, DTensor) and t.ndim >= 1 and all(isinstance(p, Replicate) for p in t.placements)
                 and _storage(t) == self.key):
-            return t
+            # Detached: a saved output kept with its grad_fn would hold its own node, a cycle no garbage
+            # collector breaks when the graph is never run backward (torch's pipeline stages build one so
+            # to infer shapes). Autograd restores the grad_fn on unpack.
+            return t.detach()
         k = (tuple(t.shape), t.stride())
         s = self.saved.get(k)
         if s is None:
