@@ -272,9 +272,11 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         c = colls[0].seconds  # all-gather and reduce-scatter of one activation cost the same
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp) if last else 0.0
         fwd_blocks = layers + recomputed
-        # A re-gather feeds the weight-gradient GEMM of wq|wk|wv or w1|w3 (or the output layer's).
-        regathered = (layers - recomputed) * (_tp_exposed(c, lf["linears"][0], sw) + _tp_exposed(c, lf["linears"][2], sw)) \
-            + (_tp_exposed(c, out, sw) if last else 0.0) if job.spec.sp_regather else 0.0
+        regathered = 0.0
+        if job.spec.sp_regather:  # each re-gather feeds the weight gradient of wq|wk|wv, w1|w3 or the output
+            qkv, w13 = lf["linears"][0], lf["linears"][2]
+            regathered = (layers - recomputed) * (_tp_exposed(c, qkv, sw) + _tp_exposed(c, w13, sw))
+            regathered += _tp_exposed(c, out, sw) if last else 0.0
         tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
                       + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"]) + regathered
                       + (_tp_exposed(c, out, sw) + _tp_exposed(c, 2 * out, sw) if last else 0.0)
