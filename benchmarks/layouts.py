@@ -129,7 +129,25 @@ def rss_parts() -> dict:
             k, _, v = line.partition(":")
             if k in ("RssAnon", "RssFile", "RssShmem"):
                 d[k] = int(v.split()[0]) * 1024
+    d.update(malloc_parts())
     return d
+
+
+def malloc_parts() -> dict:
+    """glibc's own account (mallinfo2, every arena): bytes of the heap in use by small allocations,
+    free holes it keeps, and bytes in mmapped blocks (the tensors above MALLOC_MMAP_THRESHOLD_)."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        f = ctypes.CDLL(None).mallinfo2
+    except AttributeError:  # not glibc >= 2.33
+        return {}
+    f.restype = Info
+    i = f()
+    return {"heap_used": i.uordblks, "heap_free": i.fordblks, "mmapped": i.hblkhd, "mmapped_blocks": i.hblks}
 
 
 def worker(out: str, spec: str) -> None:

@@ -75,7 +75,33 @@ def probe(t: Trainer) -> dict:
                 hook.remove()
     # What each step left behind (no garbage collection first: a reference cycle would show here).
     return {"rank": dist.get_rank(), "forward": seen.get("forward"), "after_first": seen["base"],
-            "after": made.alive_bytes(), "loss": loss.item()}
+            "after": made.alive_bytes(), "beyond_state": beyond_state(t), "loss": loss.item()}
+
+
+def beyond_state(t: Trainer) -> int:
+    """Bytes of the tensors alive between steps (every tensor object Python can reach) other than the
+    parameters, their gradients, the model's buffers (RoPE tables) and the optimizer state: the runtime's
+    own persistent buffers."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    def key(x):
+        return (x._local_tensor if isinstance(x, DTensor) else x).untyped_storage().data_ptr()
+
+    state = {key(p) for p in t.params} | {key(p.grad) for p in t.params if p.grad is not None}
+    state |= {key(b) for part in t.parts for b in part.buffers()}
+    opt = getattr(t.optimizer, "optim", t.optimizer)
+    state |= {key(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    gc.collect()
+    other = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not o.is_meta:
+            local = o._local_tensor if isinstance(o, DTensor) else o
+            s = local.untyped_storage()
+            if s.data_ptr() and s.data_ptr() not in state:
+                other[s.data_ptr()] = s.nbytes()
+    return sum(other.values())
 
 
 def main() -> None:

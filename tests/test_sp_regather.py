@@ -13,7 +13,7 @@ import pytest
 
 from hpctrain.compose import compose
 from hpctrain.launch.local import launch
-from hpctrain.plan.memory import activations, job_of, layer_activation_bytes
+from hpctrain.plan.memory import activations, boundary_bytes, job_of, layer_activation_bytes, pipeline_receives
 
 WORKER = str(Path(__file__).with_name("regather_probe.py"))
 TP = "parallel.tp=2 parallel.dp_shard=1"
@@ -54,6 +54,22 @@ def test_nothing_is_left_behind_under_pipelining(pipelined):
         assert k["loss"] == pytest.approx(a["loss"], rel=1e-6)
         for when in ("after_first", "after"):
             assert a[when] <= k[when] + 2**16, (when, k, a)
+
+
+def test_pipeline_receive_buffers_are_what_the_planner_says(pipelined):
+    """Between steps a TP 2 x PP 2 rank holds, beyond parameters and optimizer state, exactly the
+    receive buffers torch's pipeline stages keep: one per micro-batch for the last stage's input and
+    one per micro-batch for the first stage's output gradient, each 2 x 1024 tokens x 128 / 2 in
+    fp32 (4 micro-batches: 2 MiB a rank). Caught: buffers not priced, or one per step."""
+    from regather_probe import COMMON
+
+    layout = "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule=1f1b train.micro_batch=2"
+    job = job_of(compose([*COMMON, "launcher.nproc=4", *layout.split()]))
+    for rank, got in enumerate(pipelined[1]):
+        stage = rank // 2  # the mesh is pp-major: ranks 0-1 run the first stage
+        buffers = pipeline_receives(job, stage) * boundary_bytes(job)
+        assert buffers == 2 * 2**20
+        assert got["beyond_state"] == pytest.approx(buffers, abs=2**16), (rank, got)
 
 
 def predicted(layout: str) -> float:

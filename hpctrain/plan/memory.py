@@ -55,6 +55,10 @@ class Job:
     pp_layers: tuple = ()  # blocks per pipeline stage (parallel.pp_layers); () = the automatic split
     compile: bool = False  # train.compile: torch.compile fuses the elementwise kernels
     sp_regather: bool = True  # parallel.sp_regather (the spec applies it with TP, uncompiled)
+    # Whose buffers: "hpctrain" (torch autograd's gradient accumulation, torch.distributed.pipelining's
+    # receive buffers) or "megatron" (gradients accumulated by the wgrad GEMM into a main-grad buffer,
+    # pipeline receives allocated per transfer): published runs of Megatron-style stacks.
+    engine: str = "hpctrain"
 
     @property
     def world(self) -> int:
@@ -376,6 +380,57 @@ def transients(job: Job, sp: StageParams) -> dict:
     return out
 
 
+def pipeline_buffers(job: Job, stage: int) -> float:
+    """torch.distributed.pipelining's receive buffers on pipeline rank `stage`. A PipelineStage
+    allocates, at its first step, one buffer per micro-batch for its input (every stage but the first)
+    and one per micro-batch for its output's gradient (every stage but the last), and keeps them for
+    the life of the schedule (PipelineStage._setup_forward_recv_info, _create_grad_recv_info): each
+    is the sequence-parallel residual stream of one micro-batch. A received input of an in-flight
+    micro-batch is also its first block's saved input (counted in activations); the rest are extra.
+    At Llama 3 405B's published layout (32 micro-batches of 8K tokens, TP 8) that is 32 MiB per
+    buffer, 2 GiB per stage. Megatron's receives are allocated per transfer and freed after use."""
+    p = job.spec.pipeline
+    if p is None or job.engine != "hpctrain":
+        return 0.0
+    inputs = sum(1 for s in p.stage_ids(stage) if s != 0)
+    saved = min(in_flight(job.schedule, job.layout.pp, job.microbatches, job.virtual_stages, stage) * inputs,
+                inputs * job.microbatches)
+    return boundary_bytes(job) * (pipeline_receives(job, stage) - saved)
+
+
+def pipeline_receives(job: Job, stage: int) -> int:
+    """How many receive buffers torch's pipeline stages of rank `stage` keep (pipeline_buffers)."""
+    p = job.spec.pipeline
+    if p is None:
+        return 0
+    ids = p.stage_ids(stage)
+    return job.microbatches * (sum(1 for s in ids if s != 0) + sum(1 for s in ids if s != p.stages - 1))
+
+
+def boundary_bytes(job: Job) -> float:
+    """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
+    return job.micro_batch * job.seq_len * job.model.dim / job.layout.tp * BYTES[job.precision]
+
+
+def accumulation_transient(job: Job, sp: StageParams) -> float:
+    """A weight's second gradient during gradient accumulation outside FSDP (plain and DDP data
+    parallel, ZeRO-1 by ZeroRedundancyOptimizer, TP and PP without FSDP): autograd's AccumulateGrad
+    takes the first micro-batch's gradient as .grad, then for each later one the backward makes the
+    gradient afresh and adds it in place, so for a moment the weight has two. The largest that can
+    coincide with the peak: the output layer's (its backward comes first, with the micro-batch's
+    activations and logits alive) or a block's largest matrix; the input embedding's comes last, once
+    the activations are freed. FSDP2 (ZeRO-2/3, replicate) reduces or accumulates a unit's gradient in
+    its own buffers (transients); Megatron accumulates in the wgrad GEMM itself."""
+    if job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1"):
+        return 0.0
+    m, tp = job.model, job.layout.tp
+    head_dim = m.dim // m.n_heads
+    largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
+    if job.last(sp.stage):
+        largest = max(largest, m.vocab_size * m.dim / tp)
+    return BYTES[job.precision] * largest
+
+
 def accumulated_grads(job: Job, sp: StageParams) -> float:
     """ZeRO-2/3 reducing once per step (parallel.grad_sync=step, and always under pipelining): FSDP2
     accumulates each micro-batch's gradient unsharded, in the reduce dtype (fp32), until the step's last
@@ -404,10 +459,12 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     accum = accumulated_grads(job, sp)
     if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
+    second = accumulation_transient(job, sp)
     before = acts["activations"] + logits
-    after = dev["grads"] + accum + acts["activations"] * held_g / held + (logits if held_g >= 1 else 0.0)
+    after = (dev["grads"] + accum + second + acts["activations"] * held_g / held
+             + (logits if held_g >= 1 else 0.0))
     if before > after:
-        dev["grads"], accum = 0.0, 0.0
+        dev["grads"], accum, second = 0.0, 0.0, 0.0
     else:
         acts["activations"] *= held_g / held
         logits = logits if held_g >= 1 else 0.0
@@ -417,8 +474,14 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         dev["logits"] = logits
     if accum:
         dev["unsharded_grads"] = accum
+    if second:
+        dev["second_grad"] = second
+    buffers = pipeline_buffers(job, stage)
+    if buffers:
+        dev["pipeline_buffers"] = buffers
     dev.update(extra)
-    persistent = ("params", "grads", "master", "moments", "param_shards", "ddp_buckets", "unsharded_grads")
+    persistent = ("params", "grads", "master", "moments", "param_shards", "ddp_buckets", "unsharded_grads",
+                  "pipeline_buffers")
     churn = sum(v for k, v in dev.items() if k not in persistent)
     dev["fragmentation"] = FRAGMENTATION * churn
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB

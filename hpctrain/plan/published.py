@@ -263,7 +263,8 @@ def published(r: dict) -> Published:
                seq_len=s, global_batch=_int(r["global_batch"]), precision="bf16", zero=zero,
                compile=src.compile or "compile" in r["notes"],
                # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
-               sp_regather=p.software in (MEGATRON, MEGATRON_2021))
+               sp_regather=p.software in (MEGATRON, MEGATRON_2021),
+               engine="megatron" if p.software in (MEGATRON, MEGATRON_2021) else "hpctrain")
     knobs, p.tuned = _choices(r, src, m, dp, pp)
     jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.micro_batch * dp == j.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
