@@ -59,6 +59,9 @@ class Job:
     # receive buffers) or "megatron" (gradients accumulated by the wgrad GEMM into a main-grad buffer,
     # pipeline receives allocated per transfer): published runs of Megatron-style stacks.
     engine: str = "hpctrain"
+    # TP with sequence parallelism (hpctrain always; Megatron-LM of 2021 had none: its norms and
+    # residual stream were whole on every TP rank)
+    sequence_parallel: bool = True
 
     @property
     def world(self) -> int:
@@ -212,7 +215,8 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 # Activations
 
 
-def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False) -> float:
+def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False,
+                           sp: bool = True) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
     Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp; the norm keeps
@@ -222,18 +226,21 @@ def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regathe
     outputs that feed column-parallel linears are all-gathered over TP: torch's ColwiseParallel saves
     that gathered input (2h not divided by tp); with `regather` (parallel.sp_regather, as Megatron)
     only the rank's 1/tp of it is kept and gathered again in backward. Without TP the sum is
-    6h + 2kv + 3ffn elements per token (measured: tests/test_sp_regather.py).
+    6h + 2kv + 3ffn elements per token (measured: tests/test_sp_regather.py). Without sequence
+    parallelism (`sp`) the norm inputs are whole on every TP rank and their outputs feed the linears
+    as they are (nothing to re-gather).
     """
     head_dim = m.dim // m.n_heads
     kv = m.n_kv_heads * head_dim
-    gathered = 2 * m.dim / (tp if regather else 1)
-    per_token = gathered + (2 * m.dim + (m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp
+    gathered = 2 * m.dim / (tp if (regather and sp) else 1)
+    norm_inputs = 2 * m.dim / (tp if sp else 1)
+    per_token = gathered + norm_inputs + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp
     return tokens * per_token * BYTES[precision]
 
 
-def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str) -> float:
+def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str, sp: bool = True) -> float:
     """A checkpointed block keeps only its input: the residual stream, sequence-parallel with TP."""
-    return tokens * m.dim / tp * BYTES[precision]
+    return tokens * m.dim / (tp if sp else 1) * BYTES[precision]
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
@@ -300,12 +307,13 @@ def activations(job: Job, stage: int) -> dict:
     m, lay, pr = job.model, job.layout, job.precision
     tokens = job.micro_batch * job.seq_len
     layers = job.stage_layers(stage)
-    regather = job.spec.sp_regather
-    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather)
+    regather, sp = job.spec.sp_regather, job.sequence_parallel
+    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp)
     ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
-    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr) + (layers - ckpt) * full
+    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp) + (layers - ckpt) * full
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
-        per_mb += tokens * m.dim * (1 / lay.tp + (1 / lay.tp if regather else 1)) * BYTES[pr]
+        stream = 1 / lay.tp if sp else 1
+        per_mb += tokens * m.dim * (stream + (1 / lay.tp if regather and sp else 1)) * BYTES[pr]
     held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
 
@@ -409,7 +417,8 @@ def pipeline_receives(job: Job, stage: int) -> int:
 
 def boundary_bytes(job: Job) -> float:
     """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
-    return job.micro_batch * job.seq_len * job.model.dim / job.layout.tp * BYTES[job.precision]
+    tp = job.layout.tp if job.sequence_parallel else 1
+    return job.micro_batch * job.seq_len * job.model.dim / tp * BYTES[job.precision]
 
 
 def accumulation_transient(job: Job, sp: StageParams) -> float:

@@ -262,8 +262,9 @@ def published(r: dict) -> Published:
     base = Job(model=m, cluster=cluster_for(r["gpu"], gpus), layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp),
                seq_len=s, global_batch=_int(r["global_batch"]), precision="bf16", zero=zero,
                compile=src.compile or "compile" in r["notes"],
-               # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
-               sp_regather=p.software in (MEGATRON, MEGATRON_2021),
+               # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them;
+               # Megatron-LM of 2021 had no sequence parallelism.
+               sp_regather=p.software is MEGATRON, sequence_parallel=p.software.sequence_parallel,
                engine="megatron" if p.software in (MEGATRON, MEGATRON_2021) else "hpctrain")
     knobs, p.tuned = _choices(r, src, m, dp, pp)
     jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.micro_batch * dp == j.global_batch]

@@ -72,6 +72,11 @@ class Software:
     # or FSDP2 replicate's all-reduce of fp32 gradients, then each owner broadcasts its updated fp32
     # parameters after the step: ZeroRedundancyOptimizer, hpctrain.train.optim.ShardedOptimizer).
     zero1: str = "reduce_scatter"
+    # Sequence parallelism with TP (Korthikanti et al. 2022): norms, dropout and residual adds run on
+    # 1/tp of the sequence between an all-gather and a reduce-scatter. Without it (Megatron-LM of
+    # 2021) every TP rank runs them on the whole sequence and the block's two collectives are
+    # all-reduces (the same bytes).
+    sequence_parallel: bool = True
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
@@ -95,7 +100,7 @@ LLM_FOUNDRY = Software("llm-foundry", tp_overlap=0.0, dp_overlap=1.0, pp_overlap
 # nothing overlapped: TP all-reduces in line, gradients all-reduced after the backward, blocking
 # pipeline send/recv.
 MEGATRON_2021 = Software("megatron-2021", tp_overlap=0.0, dp_overlap=0.0, pp_overlap=0.0, fused=True,
-                         flash=False)
+                         flash=False, sequence_parallel=False)
 # DeepSpeed ZeRO-3 of 2021 on Megatron's GPT (Narayanan et al. Table 2): prefetched parameter gathers.
 DEEPSPEED_2021 = Software("deepspeed-2021", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
                           flash=False)
@@ -231,8 +236,10 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
         attn = bmm + scores * UNFUSED_SCORE_BYTES[0] / hw.hbm
         attn_bwd = 2 * bmm + scores * UNFUSED_SCORE_BYTES[1] / hw.hbm
     b = FUSED_BYTES if (sw.fused or job.compile) else EAGER_BYTES
-    # RMSNorms and residual adds on the (sequence-parallel) residual stream; RoPE on q and k; SwiGLU.
-    per_token = (2 * b["norm"] + 2 * b["add"]) * h / tp + b["rope"] * (q + kv) + b["swiglu"] * f + b["copy"] * q
+    # RMSNorms and residual adds on the residual stream (1/tp of it with sequence parallelism); RoPE on
+    # q and k; SwiGLU.
+    stream = h / tp if job.sequence_parallel else h
+    per_token = (2 * b["norm"] + 2 * b["add"]) * stream + b["rope"] * (q + kv) + b["swiglu"] * f + b["copy"] * q
     elem = tokens * per_token * hw.elem / 2 / hw.hbm
     return {"gemm": gemm, "linears": linears, "attn": attn, "attn_bwd": attn_bwd, "elem": elem}
 
@@ -261,15 +268,22 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     if lay.tp > 1:
         # Sequence parallel: per block 2 all-gathers + 2 reduce-scatters of the residual stream forward,
         # the same backward, and again for a recomputed block; the output layer gathers once each way.
+        # Without it each all-gather + reduce-scatter pair is one all-reduce, of the same cost.
         act = tokens * m.dim * hw.elem
         per_mb = 4 * layers + 2 * recomputed + last
         # parallel.sp_regather: backward gathers again the inputs of the blocks it did not recompute
         again = (2 * (layers - recomputed) + last) if job.spec.sp_regather else 0
-        colls.append(_coll(job, "tp", "all_gather", act, (per_mb + again) * mb))
-        colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
-        if last:  # vocab-parallel cross-entropy: max, sum-exp, target logit
-            colls.append(_coll(job, "tp", "all_reduce", tokens * 4, 3 * mb))
-        c = colls[0].seconds  # all-gather and reduce-scatter of one activation cost the same
+        if job.sequence_parallel:
+            colls.append(_coll(job, "tp", "all_gather", act, (per_mb + again) * mb))
+            colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
+        else:
+            colls.append(_coll(job, "tp", "all_reduce", act, per_mb * mb))
+        # What one linear's collective costs: an all-gather or a reduce-scatter of one activation (the
+        # same), half an all-reduce.
+        c = colls[0].seconds / (1 if job.sequence_parallel else 2)
+        ce = _coll(job, "tp", "all_reduce", tokens * 4, 3 * mb) if last else None
+        if ce:  # vocab-parallel cross-entropy: max, sum-exp, target logit
+            colls.append(ce)
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp) if last else 0.0
         fwd_blocks = layers + recomputed
         regathered = 0.0
@@ -280,7 +294,7 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
                       + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"]) + regathered
                       + (_tp_exposed(c, out, sw) + _tp_exposed(c, 2 * out, sw) if last else 0.0)
-                      + (colls[2].total / mb if last else 0.0))
+                      + (ce.total / mb if ce else 0.0))
         share = tp_exposed * mb / (sum(x.total for x in colls) or 1.0)
         for x in colls:
             x.exposed = x.total * share
