@@ -78,6 +78,12 @@ class Job:
                      pp_layers=tuple(self.pp_layers), sp_regather=self.sp_regather)
 
     @property
+    def autocast(self) -> bool:
+        """hpctrain's bf16 over fp32 parameters (DDP, ZeRO-1: hpctrain.spec.dtypes), not Megatron's
+        bf16 parameters with fp32 main gradients and master weights."""
+        return self.spec.dtypes.autocast and self.engine == "hpctrain"
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches each data-parallel rank runs per step (pipeline micro-batches when pp > 1)."""
         return self.spec.microbatches
@@ -180,7 +186,7 @@ def stage_params(job: "Job", stage: int) -> StageParams:
 
 
 def model_state(params: float, precision: str, zero: int, shard: int, offload: str,
-                host_params: bool = False) -> tuple[dict, dict]:
+                host_params: bool = False, autocast: bool = False) -> tuple[dict, dict]:
     """(on device, off device) bytes of parameters, gradients, fp32 master weights and Adam moments.
 
     Mixed precision (bf16) keeps 2 + 2 + 4 + 8 = 16 bytes per parameter; fp32 keeps 4 + 4 + 8, the
@@ -190,10 +196,13 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
     `host_params` (FSDP2's CPU offload, hpctrain.spec.placement): the sharded parameters, in fp32 and
     serving as master weights, and the sharded gradients live on the host as well; the device keeps
     only what it gathers (all of it from forward to backward with ZeRO-2, a unit at a time with ZeRO-3).
+    `autocast` (bf16 over DDP or ZeRO-1, hpctrain.spec.dtypes): the parameters stay fp32 and are their
+    own master copy, their gradients are fp32, and ZeRO-1 shards only the moments: 4 + 4 + 8 / shard,
+    not 2 + 2 + 12 / shard (the bf16 copies autocast makes are transients, `weight_casts`).
     """
-    pb = BYTES[precision]
+    pb = 4 if autocast else BYTES[precision]
     n = max(1, shard)
-    master = 4 if precision == "bf16" else 0
+    master = 4 if precision == "bf16" and not autocast else 0
     state = {"params": pb * params / (n if zero >= 3 else 1),
              "grads": pb * params / (n if zero >= 2 else 1),
              "master": master * params / (n if zero >= 1 else 1),
@@ -216,7 +225,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 
 
 def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False,
-                           sp: bool = True) -> float:
+                           sp: bool = True, stream: int = 0, autocast: bool = False) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
     Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp; the norm keeps
@@ -228,19 +237,31 @@ def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regathe
     only the rank's 1/tp of it is kept and gathered again in backward. Without TP the sum is
     6h + 2kv + 3ffn elements per token (measured: tests/test_sp_regather.py). Without sequence
     parallelism (`sp`) the norm inputs are whole on every TP rank and their outputs feed the linears
-    as they are (nothing to re-gather).
+    as they are (nothing to re-gather). `stream`: bytes per element of the residual stream, which the
+    norms keep, where it differs from the compute precision (fp32 under autocast: the embedding and
+    the residual adds stay fp32, only the matmuls' outputs are bf16). Under `autocast` the norms'
+    outputs are fp32 too, and each linear casts its input to bf16 and saves that copy: wq, wk and wv
+    keep three copies of the attention norm's output, w1 and w3 two of the feed-forward norm's (5h,
+    not 2h).
     """
     head_dim = m.dim // m.n_heads
     kv = m.n_kv_heads * head_dim
-    gathered = 2 * m.dim / (tp if (regather and sp) else 1)
+    pb = BYTES[precision]
+    gathered = (5 if autocast else 2) * m.dim / (tp if (regather and sp) else 1)
     norm_inputs = 2 * m.dim / (tp if sp else 1)
-    per_token = gathered + norm_inputs + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp
-    return tokens * per_token * BYTES[precision]
+    per_token = (gathered + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp) * pb + norm_inputs * (stream or pb)
+    return tokens * per_token
 
 
-def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str, sp: bool = True) -> float:
+def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str, sp: bool = True, stream: int = 0) -> float:
     """A checkpointed block keeps only its input: the residual stream, sequence-parallel with TP."""
-    return tokens * m.dim / (tp if sp else 1) * BYTES[precision]
+    return tokens * m.dim / (tp if sp else 1) * (stream or BYTES[precision])
+
+
+def stream_bytes(job: "Job") -> int:
+    """Bytes per element of the residual stream (and of what crosses a pipeline boundary): fp32 under
+    autocast, whose parameters (the embedding's too) are fp32; else the compute precision."""
+    return 4 if job.autocast else BYTES[job.precision]
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
@@ -307,13 +328,13 @@ def activations(job: Job, stage: int) -> dict:
     m, lay, pr = job.model, job.layout, job.precision
     tokens = job.micro_batch * job.seq_len
     layers = job.stage_layers(stage)
-    regather, sp = job.spec.sp_regather, job.sequence_parallel
-    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp)
+    regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
+    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream, job.autocast)
     ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
-    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp) + (layers - ckpt) * full
+    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * full
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
-        stream = 1 / lay.tp if sp else 1
-        per_mb += tokens * m.dim * (stream + (1 / lay.tp if regather and sp else 1)) * BYTES[pr]
+        per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
+                                    + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
     held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
 
@@ -380,7 +401,16 @@ def transients(job: Job, sp: StageParams) -> dict:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
-        out["ddp_buckets"] = pb * sp.total
+        out["ddp_buckets"] = (4 if job.autocast else pb) * sp.total
+    if job.autocast:
+        # autocast casts each fp32 weight a matmul reads to bf16 once per autocast region (its weight
+        # cache) and the matmul saves that copy for backward: every linear weight of the stage
+        # (the embedding is a lookup, not cast), alive from the forward to the end of the backward.
+        m_, c = job.model, param_counts(job.model)
+        linear = sp.layers * (c["per_block"] - 2 * m_.dim) / lay.tp
+        if job.last(sp.stage):
+            linear += m_.vocab_size * m_.dim / lay.tp
+        out["weight_casts"] = pb * linear
     if job.last(sp.stage):
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
         # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
@@ -418,7 +448,7 @@ def pipeline_receives(job: Job, stage: int) -> int:
 def boundary_bytes(job: Job) -> float:
     """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
     tp = job.layout.tp if job.sequence_parallel else 1
-    return job.micro_batch * job.seq_len * job.model.dim / tp * BYTES[job.precision]
+    return job.micro_batch * job.seq_len * job.model.dim / tp * stream_bytes(job)
 
 
 def accumulation_transient(job: Job, sp: StageParams) -> float:
@@ -437,7 +467,7 @@ def accumulation_transient(job: Job, sp: StageParams) -> float:
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
-    return BYTES[job.precision] * largest
+    return (4 if job.autocast else BYTES[job.precision]) * largest
 
 
 def accumulated_grads(job: Job, sp: StageParams) -> float:
@@ -456,7 +486,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.layout
     sp = stage_params(job, stage)
-    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, job.params_on_host)
+    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, job.params_on_host,
+                           job.autocast)
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,
@@ -507,7 +538,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
         host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
     if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
-        state = dict(model_state(sp.total, job.precision, job.zero, job.zero_group, "none")[0])
+        state = dict(model_state(sp.total, job.precision, job.zero, job.zero_group, "none",
+                                 autocast=job.autocast)[0])
         host["checkpoint_staging"] = state["params"] + state["master"] + state["moments"]
     return dev, host, nvme
 
