@@ -243,6 +243,21 @@ def test_refusals_quote_the_problem_they_count():
         assert ex.problems[ex.reasons.index(reason)] in line, (reason, line)
 
 
+def test_pipeline_receive_buffers_refuse_a_long_sequence_pipeline_with_their_fix():
+    """torch's pipeline stages keep a receive buffer per micro-batch and direction (plan/memory.
+    pipeline_buffers): 256 micro-batches of 64K tokens, 256 MiB a buffer, 256 of them per direction for
+    each of a rank's 2 stages: ~190 GiB on the worst rank, more than everything else there; the refusal
+    names them and what shrinks them."""
+    job = job_of(compose(["model=1b", "cluster=h100", "launcher=sbatch", "cluster.nodes=1", "cluster.gpus_per_node=8",
+                          "parallel.pp=8", "parallel.dp_shard=1", "parallel.ac=full", "data.seq_len=65536",
+                          "train.global_batch=256", "train.micro_batch=1", "train.precision=bf16",
+                          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"]))
+    mem = memory(job)
+    assert mem.device["pipeline_buffers"] == max(mem.device.values()) > 100 * GiB, mem.device
+    assert any("largest part pipeline_buffers" in p and "fewer micro-batches a step" in p
+               and "fewer parallel.pp_virtual_stages" in p for p in mem.problems), mem.problems
+
+
 def test_search_refuses_pipelines_with_fewer_micro_batches_than_stages(job8):
     """As the login check does (torch's schedules refuse it): such a layout is never ranked."""
     from hpctrain.plan.search import layout_problems

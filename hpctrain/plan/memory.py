@@ -589,6 +589,13 @@ def memory_problems(job: Job, mem: Memory) -> list[str]:
 
 
 def _memory_fix(job: Job, big: str) -> str:
+    if big == "pipeline_buffers":  # one per micro-batch, per direction, per stage a rank runs
+        fixes = ["fewer micro-batches a step (a larger train.micro_batch or a smaller train.global_batch)"]
+        if job.virtual_stages > 1:
+            fixes.append("fewer parallel.pp_virtual_stages")
+        return "Fix: " + ", ".join(fixes + ["more parallel.tp"])
+    if big == "weight_casts":  # autocast's bf16 copy of fp32 weights; FSDP2 gathers bf16 unit by unit
+        return "Fix: parallel.zero=3 (FSDP2 keeps no bf16 copy of the whole stage) or more parallel.tp/pp"
     if big in ("activations", "recompute", "logits"):
         fixes = []
         if job.ac != "full":
