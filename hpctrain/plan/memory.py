@@ -451,15 +451,17 @@ def boundary_bytes(job: Job) -> float:
     return job.micro_batch * job.seq_len * job.model.dim / tp * stream_bytes(job)
 
 
-def accumulation_transient(job: Job, sp: StageParams) -> float:
+def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> float:
     """A weight's second gradient during gradient accumulation outside FSDP (plain and DDP data
     parallel, ZeRO-1 by ZeroRedundancyOptimizer, TP and PP without FSDP): autograd's AccumulateGrad
     takes the first micro-batch's gradient as .grad, then for each later one the backward makes the
-    gradient afresh and adds it in place, so for a moment the weight has two. The largest that can
-    coincide with the peak: the output layer's (its backward comes first, with the micro-batch's
-    activations and logits alive) or a block's largest matrix; the input embedding's comes last, once
-    the activations are freed. FSDP2 (ZeRO-2/3, replicate) reduces or accumulates a unit's gradient in
-    its own buffers (transients); Megatron accumulates in the wgrad GEMM itself."""
+    gradient afresh and adds it in place, so for a moment the weight has two. The output layer's comes
+    first in a backward, with the micro-batch's activations (`per_microbatch`) and logits alive, then
+    the blocks'; the input embedding's comes last, once that micro-batch's activations are freed, and
+    under TP it arrives replicated, the whole vocab x dim (hpctrain.parallel.tensor.
+    keep_grads_like_params lays it out like the parameter afterwards). FSDP2 (ZeRO-2/3, replicate)
+    reduces or accumulates a unit's gradient in its own buffers (transients); Megatron accumulates in
+    the wgrad GEMM itself."""
     if job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1"):
         return 0.0
     m, tp = job.model, job.layout.tp
@@ -467,7 +469,9 @@ def accumulation_transient(job: Job, sp: StageParams) -> float:
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
-    return (4 if job.autocast else BYTES[job.precision]) * largest
+    grad = 4 if job.autocast else BYTES[job.precision]
+    embedding = grad * m.vocab_size * m.dim if job.first(sp.stage) else 0.0
+    return max(grad * largest, embedding - per_microbatch)
 
 
 def accumulated_grads(job: Job, sp: StageParams) -> float:
@@ -499,7 +503,7 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     accum = accumulated_grads(job, sp)
     if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
-    second = accumulation_transient(job, sp)
+    second = accumulation_transient(job, sp, acts["activations"] / held)
     before = acts["activations"] + logits
     after = (dev["grads"] + accum + second + acts["activations"] * held_g / held
              + (logits if held_g >= 1 else 0.0))
