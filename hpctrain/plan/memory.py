@@ -474,6 +474,22 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     return max(grad * largest, embedding - per_microbatch)
 
 
+def all_reduce_buffers(job: Job, sp: StageParams) -> float:
+    """FSDP2 with a data-parallel all-reduce (HSDP's replicas, replicate's ZeRO-0/1 with TP or PP)
+    keeps each unit's reduced fp32 gradient buffer from its all-reduce until the backward ends
+    (FSDPParamGroup._all_reduce_state; held across layers so that the next unit's reduce-scatter cannot
+    reuse it while the all-reduce runs: pytorch#140044). The first micro-batch's buffers become the
+    gradients themselves; after that they come beside them: one more fp32 gradient of the stage, of
+    the shard's size. Reducing once per step (parallel.grad_sync=step) the one reduction's buffers
+    become the gradients."""
+    fsdp_all_reduce = (job.zero >= 2 and job.layout.dp_replicate > 1
+                       or job.spec.data_parallel in ("replicate", "replicate_zero1"))
+    if (job.engine != "hpctrain" or not fsdp_all_reduce or job.microbatches == 1 or job.params_on_host
+            or job.spec.grad_sync != "microbatch"):
+        return 0.0
+    return REDUCE_BYTES * sp.total / max(1, job.zero_group)
+
+
 def accumulated_grads(job: Job, sp: StageParams) -> float:
     """ZeRO-2/3 reducing once per step (parallel.grad_sync=step, and always under pipelining): FSDP2
     accumulates each micro-batch's gradient unsharded, in the reduce dtype (fp32), until the step's last
@@ -504,14 +520,22 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
     second = accumulation_transient(job, sp, acts["activations"] / held)
+    # A third, with data-parallel all-reduces under FSDP2 (HSDP, replicate): the end of a backward
+    # that follows another, every unit's all-reduce buffer beside the gradients (all_reduce_buffers).
+    held_ar = all_reduce_buffers(job, sp)
     before = acts["activations"] + logits
     after = (dev["grads"] + accum + second + acts["activations"] * held_g / held
              + (logits if held_g >= 1 else 0.0))
-    if before > after:
-        dev["grads"], accum, second = 0.0, 0.0, 0.0
+    end = dev["grads"] + accum + held_ar + acts["activations"] * max(0.0, held_g - 1) / held
+    if before > max(after, end):
+        dev["grads"], accum, second, held_ar = 0.0, 0.0, 0.0, 0.0
+    elif end > after:
+        acts["activations"] *= max(0.0, held_g - 1) / held
+        logits, second = 0.0, 0.0
     else:
         acts["activations"] *= held_g / held
         logits = logits if held_g >= 1 else 0.0
+        held_ar = 0.0
     dev = {k: v for k, v in dev.items() if v}
     dev.update({k: v for k, v in acts.items() if v})
     if logits:
@@ -520,6 +544,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         dev["unsharded_grads"] = accum
     if second:
         dev["second_grad"] = second
+    if held_ar:
+        dev["all_reduce_buffers"] = held_ar
     buffers = pipeline_buffers(job, stage)
     if buffers:
         dev["pipeline_buffers"] = buffers
