@@ -406,10 +406,9 @@ def transients(job: Job, sp: StageParams) -> dict:
         # autocast casts each fp32 weight a matmul reads to bf16 once per autocast region (its weight
         # cache) and the matmul saves that copy for backward: every linear weight of the stage
         # (the embedding is a lookup, not cast), alive from the forward to the end of the backward.
-        m_, c = job.model, param_counts(job.model)
-        linear = sp.layers * (c["per_block"] - 2 * m_.dim) / lay.tp
+        linear = sp.layers * (param_counts(m)["per_block"] - 2 * m.dim) / lay.tp
         if job.last(sp.stage):
-            linear += m_.vocab_size * m_.dim / lay.tp
+            linear += m.vocab_size * m.dim / lay.tp
         out["weight_casts"] = pb * linear
     if job.last(sp.stage):
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
