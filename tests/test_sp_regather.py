@@ -141,3 +141,38 @@ def test_autocast_blocks_keep_bf16_weight_copies_and_an_fp32_stream(measured):
           f"(weight copies {casts / pred:.0%})")
     for x in per_block:
         assert x == pytest.approx(pred, rel=0.03), (per_block, pred)
+
+
+def test_a_later_micro_batch_makes_each_gradient_afresh_beside_grad():
+    """What plan/memory.accumulation_transient prices, as autograd does it: the first micro-batch's
+    gradient becomes .grad; a later one's is made afresh (seen by a tensor hook before AccumulateGrad
+    adds it) while .grad is alive, a second gradient of the weight. For the tiny model with a 4096-word
+    vocabulary the largest is the output layer's (and the embedding's, as large, comes last), and the
+    planner's second gradient is its size. Caught: the second gradient not priced, or priced as a
+    block's largest matrix."""
+    import torch
+
+    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.plan.memory import accumulation_transient, stage_params
+
+    job = job_of(compose(["+experiment=tiny", "launcher.nproc=1", "parallel=ddp", "train.micro_batch=2",
+                          "train.global_batch=4", "model.vocab_size=4096", "data.seq_len=64"]))
+    assert job.microbatches == 2
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs.from_config(job.model, 64))
+    w = model.output.weight
+    seen = []
+
+    def fresh(g):
+        grad = w.grad
+        seen.append((g.untyped_storage().data_ptr(), g.nbytes,
+                     None if grad is None else grad.untyped_storage().data_ptr()))
+
+    w.register_hook(fresh)
+    for _ in range(job.microbatches):
+        tokens = torch.randint(0, job.model.vocab_size, (2, 64))
+        model(tokens).float().logsumexp(-1).mean().backward()
+    (_, _, before), (made, nbytes, kept) = seen
+    assert before is None  # the first micro-batch's gradient becomes .grad
+    assert kept is not None and made != kept and nbytes == w.nbytes  # the second comes beside it
+    assert accumulation_transient(job, stage_params(job, 0), per_microbatch=0.0) == nbytes
