@@ -116,8 +116,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiled graph's partitioner decides what to keep
             xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-        return _RMSNorm.apply(x, self.weight, self.eps)
+            out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        else:
+            out = _RMSNorm.apply(x, self.weight, self.eps)
+        # Under autocast (fp32 parameters) the output is fp32 and feeds only matmuls, each of which would
+        # cast it to bf16 and keep its own copy for backward (three for wq, wk, wv): cast it once here,
+        # the same values autocast would make, so that they share one copy and tensor parallel gathers
+        # it in bf16, as with bf16 parameters.
+        if torch.is_autocast_enabled(out.device.type):
+            out = out.to(torch.get_autocast_dtype(out.device.type))
+        return out
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

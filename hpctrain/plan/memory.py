@@ -225,7 +225,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 
 
 def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False,
-                           sp: bool = True, stream: int = 0, autocast: bool = False) -> float:
+                           sp: bool = True, stream: int = 0) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
     Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp; the norm keeps
@@ -239,15 +239,13 @@ def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regathe
     parallelism (`sp`) the norm inputs are whole on every TP rank and their outputs feed the linears
     as they are (nothing to re-gather). `stream`: bytes per element of the residual stream, which the
     norms keep, where it differs from the compute precision (fp32 under autocast: the embedding and
-    the residual adds stay fp32, only the matmuls' outputs are bf16). Under `autocast` the norms'
-    outputs are fp32 too, and each linear casts its input to bf16 and saves that copy: wq, wk and wv
-    keep three copies of the attention norm's output, w1 and w3 two of the feed-forward norm's (5h,
-    not 2h).
+    the residual adds stay fp32, only the matmuls' outputs are bf16; the norms cast their outputs to
+    bf16 once, hpctrain.models.llama.RMSNorm, so the linears reading one share it).
     """
     head_dim = m.dim // m.n_heads
     kv = m.n_kv_heads * head_dim
     pb = BYTES[precision]
-    gathered = (5 if autocast else 2) * m.dim / (tp if (regather and sp) else 1)
+    gathered = 2 * m.dim / (tp if (regather and sp) else 1)
     norm_inputs = 2 * m.dim / (tp if sp else 1)
     per_token = (gathered + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp) * pb + norm_inputs * (stream or pb)
     return tokens * per_token
@@ -329,7 +327,7 @@ def activations(job: Job, stage: int) -> dict:
     tokens = job.micro_batch * job.seq_len
     layers = job.stage_layers(stage)
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
-    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream, job.autocast)
+    full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
     ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * full
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
