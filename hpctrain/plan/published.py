@@ -265,7 +265,7 @@ def published(r: dict) -> Published:
                # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them;
                # Megatron-LM of 2021 had no sequence parallelism.
                sp_regather=p.software is MEGATRON, sequence_parallel=p.software.sequence_parallel,
-               engine="megatron" if p.software in (MEGATRON, MEGATRON_2021) else "hpctrain")
+               engine=p.software.engine)
     knobs, p.tuned = _choices(r, src, m, dp, pp)
     jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.micro_batch * dp == j.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
@@ -282,7 +282,7 @@ def fits(job: Job, src: Source) -> bool:
     (hpctrain's ZeRO-0/1 with TP or PP) keeps an accumulated copy beside the reduced one."""
     mem = memory(job)
     extra = 0.0
-    if src.software in (MEGATRON, MEGATRON_2021):
+    if src.software.engine == "megatron":
         extra += mem.device.get("unsharded_grads", 0.0) if job.zero <= 1 else 0.0
     return mem.device_total - extra <= mem.device_limit
 

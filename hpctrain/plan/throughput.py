@@ -18,7 +18,7 @@ from typing import Any
 from hpctrain.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.spec import ranks_per_node
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
-                                  stage_params)
+                                  stage_params, stream_bytes)
 
 # Flash attention's backward does 2.5x the matmul work of its forward (it recomputes the scores).
 ATTN_BWD = 2.5
@@ -77,12 +77,15 @@ class Software:
     # 2021) every TP rank runs them on the whole sequence and the block's two collectives are
     # all-reduces (the same bytes).
     sequence_parallel: bool = True
+    # Whose buffers the memory model prices (hpctrain.plan.memory.Job.engine): "hpctrain" for the
+    # PyTorch-native stacks, "megatron" for Megatron-style ones (main-grad buffers, per-transfer receives).
+    engine: str = "hpctrain"
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
 # --overlap-grad-reduce and --overlap-param-gather, Transformer Engine's fused kernels: the setting of
 # its published H100 table (and of NeMo).
-MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, fused=True)
+MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, fused=True, engine="megatron")
 # hpctrain: FSDP2 prefetches all-gathers and issues reduce-scatters during backward, as Megatron's
 # buckets do; DTensor TP runs its collectives in line (torch's async TP needs torch.compile); the
 # Llama's norms, RoPE and SwiGLU run as eager PyTorch ops unless train.compile fuses them.
@@ -100,7 +103,7 @@ LLM_FOUNDRY = Software("llm-foundry", tp_overlap=0.0, dp_overlap=1.0, pp_overlap
 # nothing overlapped: TP all-reduces in line, gradients all-reduced after the backward, blocking
 # pipeline send/recv.
 MEGATRON_2021 = Software("megatron-2021", tp_overlap=0.0, dp_overlap=0.0, pp_overlap=0.0, fused=True,
-                         flash=False, sequence_parallel=False)
+                         flash=False, sequence_parallel=False, engine="megatron")
 # DeepSpeed ZeRO-3 of 2021 on Megatron's GPT (Narayanan et al. Table 2): prefetched parameter gathers.
 DEEPSPEED_2021 = Software("deepspeed-2021", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
                           flash=False)
@@ -446,7 +449,9 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     colls = list(worst.collectives)
     if lay.pp > 1:
         v = stages_per_rank(job)
-        msg = job.micro_batch * job.seq_len * job.model.dim / lay.tp * hw.elem
+        # the residual stream, sequence-parallel (Megatron-LM 2021 scattered it over TP for the hop too);
+        # fp32 under autocast
+        msg = job.micro_batch * job.seq_len * job.model.dim / lay.tp * stream_bytes(job)
         p2p = _coll(job, "pp", "send_recv", msg, 2 * mb * v)
         p2p.exposed = (1 - sw.pp_overlap) * p2p.total + 2 * (lay.pp - 1) * p2p.seconds
         colls.append(p2p)
