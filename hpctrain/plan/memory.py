@@ -257,8 +257,9 @@ def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str, sp: bool = T
 
 
 def stream_bytes(job: "Job") -> int:
-    """Bytes per element of the residual stream (and of what crosses a pipeline boundary): fp32 under
-    autocast, whose parameters (the embedding's too) are fp32; else the compute precision."""
+    """Bytes per element of a parameter outside FSDP, and so of its gradient and of the residual stream
+    the embedding starts (what crosses a pipeline boundary): fp32 under autocast, whose parameters are
+    fp32; else the compute precision."""
     return 4 if job.autocast else BYTES[job.precision]
 
 
@@ -399,7 +400,7 @@ def transients(job: Job, sp: StageParams) -> dict:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
-        out["ddp_buckets"] = (4 if job.autocast else pb) * sp.total
+        out["ddp_buckets"] = stream_bytes(job) * sp.total  # in the gradients' dtype
     if job.autocast:
         # autocast casts each fp32 weight a matmul reads to bf16 once per autocast region (its weight
         # cache) and the matmul saves that copy for backward: every linear weight of the stage
@@ -466,7 +467,7 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
-    grad = 4 if job.autocast else BYTES[job.precision]
+    grad = stream_bytes(job)
     embedding = grad * m.vocab_size * m.dim if job.first(sp.stage) else 0.0
     return max(grad * largest, embedding - per_microbatch)
 
