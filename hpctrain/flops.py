@@ -28,10 +28,13 @@ def train_flops_per_token(m: Any, seq_len: int) -> float:
     return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
 
 
-def recompute_flops_per_token(m: Any, seq_len: int, recomputed_blocks: float) -> float:
+def recompute_flops_per_token(m: Any, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:
     """FLOPs per token that activation checkpointing adds: the forward of every recomputed block
     again (2 x its parameters for the matmuls, 4 x heads x head_dim x seq_len for attention scores,
     the forward third of train_flops_per_token's terms). Model FLOPs plus these are the hardware FLOPs
-    papers report beside MFU (Korthikanti et al. 2022, "Reducing Activation Recomputation")."""
+    papers report beside MFU (Korthikanti et al. 2022, "Reducing Activation Recomputation").
+    last_linear=False: the recompute stops before the block's last linear (w2), as torch's
+    non-reentrant checkpoint does, and these are the FLOPs it actually runs."""
     head_dim = m.dim // m.n_heads
-    return recomputed_blocks * (2.0 * param_counts(m)["per_block"] + 4.0 * m.n_heads * head_dim * seq_len)
+    w2 = 0.0 if last_linear else 2.0 * m.ffn_dim * m.dim
+    return recomputed_blocks * (2.0 * param_counts(m)["per_block"] - w2 + 4.0 * m.n_heads * head_dim * seq_len)

@@ -20,26 +20,21 @@ from hpctrain.plan import published as P
 from hpctrain.plan.report import explain
 
 # What the planner achieves on the held-out rows, with a margin (tokens/s per GPU): the median
-# |error| is 6.4%, the worst +43%. The rows outside 15% are listed, with why, in OUTSIDE.
-HELD_MEDIAN = 0.08
-HELD_WORST = 0.45
+# |error| is 3.9%, the worst +40%. The rows outside 15% are listed, with why, in OUTSIDE.
+HELD_MEDIAN = 0.05
+HELD_WORST = 0.42
 # Held-out TP x PP runs (Megatron-LM 2024, Narayanan et al. 2021, Llama 3 405B): 13 rows up to 16384
-# GPUs and pp 64, all within 7.3% (median 5.4%).
-PIPELINE_WORST = 0.09
-PIPELINE_MEDIAN = 0.07
+# GPUs and pp 64, all within 9.9% (median 3.6%; the worst, Megatron's 462B at pp 16, -9.9%).
+PIPELINE_WORST = 0.10
+PIPELINE_MEDIAN = 0.05
 # Held-out rows outside 15%, by id prefix, and why (the test fails if another row leaves 15%).
 OUTSIDE = {
-    "torchtitan_asynctp_h100_202506 | Llama 3 8B | 64xh100_96gb":  # async TP row only (+25%)
+    "torchtitan_asynctp_h100_202506 | Llama 3 8B | 64xh100_96gb":  # async TP row only (+26%)
         "async TP priced as hiding 90% of each TP collective up to the GEMM it pairs with (as Megatron's "
         "userbuffers); torch's decomposed all-gather-matmuls on 512-wide shards gained 10%, not the 25% that implies",
-    "llm_foundry_mpt | MPT 70b | 64xa100_40gb": "70B on 40 GB parts at micro-batch 2 (+43%): the run is "
-        "memory-starved (allocator retries), which the planner does not price",
-    "llm_foundry_mpt | MPT 1b | 32xa100_40gb": "+33%: 20% below the same row on 16 and 64 GPUs of its table",
-    "llm_foundry_mpt | MPT 13b | 8xa100_40gb": "+15%: the 40 GB table runs FSDP 'PURE' mixed precision "
-        "and small micro-batches near the memory limit",
-    "llm_foundry_mpt | MPT 125m | 128xa100_40gb": "+16%: 125M on 128 GPUs, launch- and latency-bound",
-    "llm_foundry_mpt | MPT 125m | 64xa100_40gb": "+15%: as on 128 GPUs",
-    "llm_foundry_mpt | MPT 13b | 128xh100_80gb": "-16%: FSDP at 128 GPUs ran faster than on 8-64",
+    "llm_foundry_mpt | MPT 70b | 64xa100_40gb": "70B on 40 GB parts at micro-batch 2 (+40%): 36% slower per GPU "
+        "than the same model on 128 GPUs at micro-batch 4, which the planner prices alike (both compute-bound)",
+    "llm_foundry_mpt | MPT 1b | 32xa100_40gb": "+28%: 18% below the same row on 16 and 64 GPUs of its table",
 }
 
 
@@ -106,14 +101,17 @@ def test_software_profile_per_row(rows):
     assert by["narayanan2021_table1"] == {"megatron-2021"}
     assert by["torchtitan_h100_202412"] == {T.HPCTRAIN.name}
     assert by["torchtitan_asynctp_h100_202506"] == {T.HPCTRAIN.name, T.TORCH_ASYNC_TP.name}
+    # llm-foundry's A100 tables ran torch 1.13 (whole-forward recompute), its H100 tables torch 2.1
+    assert by["llm_foundry_mpt"] == {T.LLM_FOUNDRY.name, T.LLM_FOUNDRY_TORCH1.name}
 
 
 def test_fit_rows(preds):
     med, worst = stats([x.error for x in preds if x.row.fit])
     assert med < 0.05 and abs(worst) < 0.30, (med, worst)
     # The profile hpctrain's users get, on the PyTorch-native rows it describes (eager and compiled).
+    # The worst is Llama 3 8B at TP 8 (+11%): thin per-rank GEMMs (hidden/8 = 512).
     titan = [x.error for x in preds if x.row.software is T.HPCTRAIN]
-    assert len(titan) >= 6 and max(abs(e) for e in titan) < 0.11, titan
+    assert len(titan) >= 6 and max(abs(e) for e in titan) < 0.12, titan
 
 
 def test_held_out_rows(preds):
@@ -134,8 +132,9 @@ def test_held_out_rows(preds):
 def test_fit_reproduces_the_cluster_presets(rows):
     fitted = F.fit(rows)
     for kind, v in fitted.items():
-        c = P.preset(kind)
-        assert (c.matmul_efficiency, c.attention_efficiency) == (v["matmul_efficiency"], v["attention_efficiency"])
+        for k in (kind, *F.SHARES.get(kind, ())):
+            c = P.preset(k)
+            assert (c.matmul_efficiency, c.attention_efficiency) == (v["matmul_efficiency"], v["attention_efficiency"]), k
 
 
 # --- what a test must catch -----------------------------------------------------------------

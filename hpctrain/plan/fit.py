@@ -17,6 +17,8 @@ from hpctrain.plan.published import GPUS, Prediction, Published, predict, preset
 from hpctrain.plan.throughput import throughput
 
 FITTED = ("matmul_efficiency", "attention_efficiency")
+# Presets with no published 16-bit run to fit on, which take a fitted kind's constants (same tensor cores).
+SHARES = {"h100": ("h200",)}
 BOUND = 0.15  # the target: every held-out row within 15% of its published tokens/s
 
 
@@ -178,7 +180,7 @@ def write(fitted: dict) -> list:
     from hpctrain.compose import conf_dir
 
     paths = []
-    for k, v in fitted.items():
+    for k, v in [(c, fitted[k]) for k in fitted for c in (k, *SHARES.get(k, ()))]:
         path = conf_dir() / "cluster" / f"{k}.yaml"
         text = path.read_text()
         for c in FITTED:

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 from hpctrain.config import ClusterConfig, ModelConfig
 from hpctrain.flops import param_counts
 from hpctrain.plan.memory import Job, memory
-from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, MEGATRON, MEGATRON_2021,
-                                      TORCH_ASYNC_TP, Software, throughput)
+from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
+                                      MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
 from hpctrain.spec import Layout
 
 CSV = Path(__file__).with_name("published.csv")
@@ -106,10 +106,18 @@ SOURCES = {
 # out: llm-foundry's A100 40GB and H100 large-scale tables, torchtitan's async-TP table.
 FIT = {"torchtitan_h100_202412": (), "llm_foundry_mpt": ("table 'H100 80GB BF16'", "table 'A100 80GB")}
 
+# The torch each llm-foundry table ran on decides what its activation checkpointing recomputes
+# (Software.recompute_last_linear): setup.py at the commit that published the table pins
+# torch==1.13.1 for the A100 tables (May 2023) and allows up to 2.1.0 for the H100 tables (Oct 2023,
+# Jan 2024; H100s need torch >= 2.0).
+LLM_FOUNDRY_TORCH1_TABLES = ("table 'A100 80GB", "table 'A100 40GB")
+
 # GPU ids of the table -> (cluster preset, what differs from it). Meta's Grand Teton H100s are 96GB
 # HBM2e parts capped at 500 W, "between SXM and NVL in peak FLOP/s" (torchtitan's footnote): the
-# midpoint of 989 (SXM) and 835 (NVL) dense bf16 TFLOP/s, as a sustained-clock factor.
-GPUS = {"a100_80gb": ("a100", {}), "a100_40gb": ("a100", {"device_mem_gb": 40}),
+# midpoint of 989 (SXM) and 835 (NVL) dense bf16 TFLOP/s, as a sustained-clock factor. The A100
+# 40GB SXM has HBM2 at 1,555 GB/s against the 80GB part's 2,039 (NVIDIA A100 datasheet), which its
+# memory-bound kernels and thin GEMMs feel.
+GPUS = {"a100_80gb": ("a100", {}), "a100_40gb": ("a100", {"device_mem_gb": 40, "hbm_gbps": 1555}),
         "h100_80gb": ("h100", {}), "h100_96gb": ("h100", {"device_mem_gb": 96, "peak_tflops": (989.4 + 835) / 2}),
         "h200": ("h200", {})}
 
@@ -289,9 +297,11 @@ def fits(job: Job, src: Source) -> bool:
 
 def software_of(r: dict, src: Source) -> Software:
     """The overlap profile the row ran with: torchtitan's async TP (torch.compile + symmetric memory)
-    hides TP collectives as Megatron's userbuffers do."""
+    hides TP collectives as Megatron's userbuffers do; llm-foundry's A100 tables ran on torch 1.13."""
     if src.software is HPCTRAIN and ("async TP" in r["notes"] or "AsyncTP" in r["notes"]):
         return TORCH_ASYNC_TP
+    if src.software is LLM_FOUNDRY and r["notes"].startswith(LLM_FOUNDRY_TORCH1_TABLES):
+        return LLM_FOUNDRY_TORCH1
     return src.software
 
 

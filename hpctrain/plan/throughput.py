@@ -12,7 +12,7 @@ and causal block waste, elementwise kernels follow the bytes they move (fused or
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpctrain.flops import recompute_flops_per_token, train_flops_per_token
@@ -80,12 +80,19 @@ class Software:
     # Whose buffers the memory model prices (hpctrain.plan.memory.Job.engine): "hpctrain" for the
     # PyTorch-native stacks, "megatron" for Megatron-style ones (main-grad buffers, per-transfer receives).
     engine: str = "hpctrain"
+    # What a checkpointed block's recompute reruns. torch.utils.checkpoint's non-reentrant form (torch
+    # >= 2.1, the default; hpctrain, torchtitan, Composer/llm-foundry) stops as soon as the last tensor
+    # backward needs is recomputed: the block's last linear (w2, with its reduce-scatter under TP) and
+    # the residual add after it are not rerun. Megatron's and DeepSpeed's checkpointing rerun the
+    # whole forward.
+    recompute_last_linear: bool = False
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
 # --overlap-grad-reduce and --overlap-param-gather, Transformer Engine's fused kernels: the setting of
 # its published H100 table (and of NeMo).
-MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, fused=True, engine="megatron")
+MEGATRON = Software("megatron", tp_overlap=0.9, dp_overlap=1.0, pp_overlap=1.0, fused=True, engine="megatron",
+                    recompute_last_linear=True)
 # hpctrain: FSDP2 prefetches all-gathers and issues reduce-scatters during backward, as Megatron's
 # buckets do; DTensor TP runs its collectives in line (torch's async TP needs torch.compile); the
 # Llama's norms, RoPE and SwiGLU run as eager PyTorch ops unless train.compile fuses them.
@@ -99,14 +106,16 @@ TORCH_ASYNC_TP = Software("torch-async-tp", tp_overlap=0.9, dp_overlap=1.0, pp_o
 # generation, which FlashAttention-2 outruns ~1.8x forward + backward at head_dim 128 (Dao 2023, fig. 4).
 LLM_FOUNDRY = Software("llm-foundry", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
                        attn_rate=0.55)
+# The same on torch 1.13/2.0, whose non-reentrant checkpoint reruns a block's whole forward.
+LLM_FOUNDRY_TORCH1 = replace(LLM_FOUNDRY, name="llm-foundry-torch1", recompute_last_linear=True)
 # Megatron-LM of 2021 (Narayanan et al.): fused bias/softmax kernels but no flash attention, and
 # nothing overlapped: TP all-reduces in line, gradients all-reduced after the backward, blocking
 # pipeline send/recv.
 MEGATRON_2021 = Software("megatron-2021", tp_overlap=0.0, dp_overlap=0.0, pp_overlap=0.0, fused=True,
-                         flash=False, sequence_parallel=False, engine="megatron")
+                         flash=False, sequence_parallel=False, engine="megatron", recompute_last_linear=True)
 # DeepSpeed ZeRO-3 of 2021 on Megatron's GPT (Narayanan et al. Table 2): prefetched parameter gathers.
 DEEPSPEED_2021 = Software("deepspeed-2021", tp_overlap=0.0, dp_overlap=1.0, pp_overlap=1.0, fused=True,
-                          flash=False)
+                          flash=False, recompute_last_linear=True)
 
 
 @dataclass(frozen=True)
@@ -263,7 +272,8 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
         bwd += 2 * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
     recomputed = checkpointed_layers(job.ac, layers, job.ac_every)
-    recompute = recomputed * (lf["gemm"] + lf["attn"] + lf["elem"])
+    w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
+    recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
 
     mb = job.microbatches
     colls = []
@@ -274,13 +284,14 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         # Without it each all-gather + reduce-scatter pair is one all-reduce, of the same cost.
         act = tokens * m.dim * hw.elem
         per_mb = 4 * layers + 2 * recomputed + last
+        rerun_rs = 0 if sw.recompute_last_linear else recomputed  # w2's reduce-scatter, not rerun
         # parallel.sp_regather: backward gathers again the inputs of the blocks it did not recompute
         again = (2 * (layers - recomputed) + last) if job.spec.sp_regather else 0
         if job.sequence_parallel:
             colls.append(_coll(job, "tp", "all_gather", act, (per_mb + again) * mb))
-            colls.append(_coll(job, "tp", "reduce_scatter", act, per_mb * mb))
+            colls.append(_coll(job, "tp", "reduce_scatter", act, (per_mb - rerun_rs) * mb))
         else:
-            colls.append(_coll(job, "tp", "all_reduce", act, per_mb * mb))
+            colls.append(_coll(job, "tp", "all_reduce", act, (per_mb - rerun_rs) * mb))
         # What one linear's collective costs: an all-gather or a reduce-scatter of one activation (the
         # same), half an all-reduce.
         c = colls[0].seconds / (1 if job.sequence_parallel else 2)
@@ -295,6 +306,7 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
             regathered = (layers - recomputed) * (_tp_exposed(c, qkv, sw) + _tp_exposed(c, w13, sw))
             regathered += _tp_exposed(c, out, sw) if last else 0.0
         tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
+                      - rerun_rs * _tp_exposed(c, lf["linears"][3], sw) * (1 if job.sequence_parallel else 2)
                       + layers * sum(_tp_exposed(c, 2 * g, sw) for g in lf["linears"]) + regathered
                       + (_tp_exposed(c, out, sw) + _tp_exposed(c, 2 * out, sw) if last else 0.0)
                       + (ce.total / mb if ce else 0.0))
@@ -464,7 +476,8 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     flops = train_flops_per_token(job.model, job.seq_len) * tokens
     tflops = flops / step / job.world / 1e12
     recomputed = checkpointed_layers(job.ac, job.model.n_layers, job.ac_every)
-    hw_flops = flops + recompute_flops_per_token(job.model, job.seq_len, recomputed) * tokens
+    hw_flops = flops + recompute_flops_per_token(job.model, job.seq_len, recomputed,
+                                                 last_linear=sw.recompute_last_linear) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
                       bubble_fraction=bubble / step, breakdown=br,
