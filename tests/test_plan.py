@@ -363,19 +363,24 @@ def test_tp_overlap_hides_no_more_than_the_gemm_it_pairs_with():
     """An overlapping engine (Megatron's userbuffers, torch's async TP) hides a sequence-parallel collective
     behind the GEMM it feeds, never more than that GEMM's time. Llama 3 8B at TP 8 has 512-wide
     attention shards, whose GEMMs are shorter than their all-gathers: more of its TP traffic stays exposed
-    than the engine's nominal 10%, and more than on the 70B, whose wider shards hide it."""
-    from hpctrain.plan.throughput import HPCTRAIN, TORCH_ASYNC_TP
+    than the engine's nominal 10%, and more than on the 70B, whose wider shards hide it. torch's async
+    TP hides the forward's collectives only (its authors: ~29% faster forward, ~8% end to end)."""
+    from dataclasses import replace
 
-    def exposed_share(model):
+    from hpctrain.plan.throughput import MEGATRON, TORCH_ASYNC_TP
+
+    def exposed_share(model, sw=MEGATRON):
         job = job_of(compose([*H100_8B, f"model={model}", "parallel.tp=8", "cluster.nodes=2", "parallel.ac=none"]))
-        inline, overlapped = throughput(job, HPCTRAIN), throughput(job, TORCH_ASYNC_TP)
+        inline, overlapped = throughput(job, replace(sw, tp_overlap=0.0, tp_overlap_bwd=None)), throughput(job, sw)
         assert inline.breakdown["tp_exposed"] == pytest.approx(sum(
             c["time_s"] for c in inline.collectives if c["dim"] == "tp"))  # nothing hidden in line
         return overlapped.breakdown["tp_exposed"] / inline.breakdown["tp_exposed"]
 
     small, large = exposed_share("8b"), exposed_share("70b")
-    assert small > 1.5 * (1 - TORCH_ASYNC_TP.tp_overlap), small  # uncapped: exactly 10%
-    assert (1 - TORCH_ASYNC_TP.tp_overlap) <= large < small, (large, small)
+    assert small > 1.5 * (1 - MEGATRON.tp_overlap), small  # uncapped: exactly 10%
+    assert (1 - MEGATRON.tp_overlap) <= large < small, (large, small)
+    # forward only: the backward's traffic (4 collectives a block, plus the re-gathers) stays exposed
+    assert 0.5 < exposed_share("70b", TORCH_ASYNC_TP) < 0.75
 
 
 def test_pipeline_bubble(job8):

@@ -20,7 +20,8 @@ from hpctrain.plan import published as P
 from hpctrain.plan.report import explain
 
 # What the planner achieves on the held-out rows, with a margin (tokens/s per GPU): the median
-# |error| is 3.9%, the worst +40%. The rows outside 15% are listed, with why, in OUTSIDE.
+# |error| is 3.9%, the worst +40%. The rows outside 15% (2, both llm-foundry A100 40GB rows out of line
+# with their own table) are listed, with why, in OUTSIDE.
 HELD_MEDIAN = 0.05
 HELD_WORST = 0.42
 # Held-out TP x PP runs (Megatron-LM 2024, Narayanan et al. 2021, Llama 3 405B): 13 rows up to 16384
@@ -29,9 +30,6 @@ PIPELINE_WORST = 0.11
 PIPELINE_MEDIAN = 0.05
 # Held-out rows outside 15%, by id prefix, and why (the test fails if another row leaves 15%).
 OUTSIDE = {
-    "torchtitan_asynctp_h100_202506 | Llama 3 8B | 64xh100_96gb":  # async TP row only (+26%)
-        "async TP priced as hiding 90% of each TP collective up to the GEMM it pairs with (as Megatron's "
-        "userbuffers); torch's decomposed all-gather-matmuls on 512-wide shards gained 10%, not the 25% that implies",
     "llm_foundry_mpt | MPT 70b | 64xa100_40gb": "70B on 40 GB parts at micro-batch 2 (+40%): 36% slower per GPU "
         "than the same model on 128 GPUs at micro-batch 4, which the planner prices alike (both compute-bound)",
     "llm_foundry_mpt | MPT 1b | 32xa100_40gb": "+28%: 18% below the same row on 16 and 64 GPUs of its table",
@@ -204,6 +202,31 @@ def test_megatron_2021_is_priced_without_sequence_parallelism(rows, monkeypatch)
     monkeypatch.setitem(P.SOURCES, "narayanan2021_table1",
                         replace(src, software=replace(src.software, sequence_parallel=True)))
     assert max(abs(e) for e in narayanan(F.evaluate(P.usable(P.load())))) > 0.09
+
+
+def test_async_tp_gains_what_torchtitan_measured(preds, monkeypatch):
+    """torchtitan's async-TP table runs each model with vanilla and async TP on the same layout: +10%
+    (8B) and +9% (70B). torch's async TP fuses the forward's all-gather-matmuls and matmul-reduce-scatters
+    (its authors report ~29% faster forward, ~8% end to end); priced as hiding the backward's too, as
+    Megatron's userbuffers do, the gains read +24% and +18%."""
+    def gains(ps):
+        by = {}
+        for x in ps:
+            r = x.row.row
+            if r["source"] == "torchtitan_asynctp_h100_202506":
+                by.setdefault(r["model"], {})[x.row.software.name] = (x.row.tokens, x.tokens)
+        return {m: (v["torch-async-tp"][0] / v["hpctrain"][0] - 1, v["torch-async-tp"][1] / v["hpctrain"][1] - 1)
+                for m, v in by.items()}
+
+    g = gains(preds)
+    assert set(g) == {"Llama 3 8B", "Llama 3 70B"}
+    for model, (published, predicted) in g.items():
+        assert abs(predicted - published) < 0.04, (model, published, predicted)
+    monkeypatch.setattr(T, "TORCH_ASYNC_TP", replace(T.TORCH_ASYNC_TP, tp_overlap_bwd=None))
+    monkeypatch.setattr(P, "TORCH_ASYNC_TP", T.TORCH_ASYNC_TP)
+    rows = [p for p in P.usable(P.load()) if p.row["source"] == "torchtitan_asynctp_h100_202506"]
+    both = gains(F.evaluate(rows))
+    assert all(predicted - published > 0.07 for published, predicted in both.values()), both
 
 
 def test_fsdp_per_gpu_throughput_falls_with_scale(preds, monkeypatch):
