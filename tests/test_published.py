@@ -107,9 +107,9 @@ def test_fit_rows(preds):
     med, worst = stats([x.error for x in preds if x.row.fit])
     assert med < 0.05 and abs(worst) < 0.30, (med, worst)
     # The profile hpctrain's users get, on the PyTorch-native rows it describes (eager and compiled).
-    # The worst is Llama 3 8B at TP 8 (+11%): thin per-rank GEMMs (hidden/8 = 512).
+    # The worst is Llama 3 8B at TP 8 (+10.8%): thin per-rank GEMMs (hidden/8 = 512).
     titan = [x.error for x in preds if x.row.software is T.HPCTRAIN]
-    assert len(titan) >= 6 and max(abs(e) for e in titan) < 0.12, titan
+    assert len(titan) >= 6 and max(abs(e) for e in titan) < 0.11, titan
 
 
 def test_held_out_rows(preds):
