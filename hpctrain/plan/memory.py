@@ -488,6 +488,19 @@ def all_reduce_buffers(job: Job, sp: StageParams) -> float:
     return REDUCE_BYTES * sp.total / max(1, job.zero_group)
 
 
+def cast_weight_grads(job: Job, extra: dict) -> float:
+    """Under autocast with pipelining the weight casts are made once per step (the autocast region is
+    the schedule's step) and shared by every micro-batch. Autograd runs a node when it is ready, latest
+    made first: in a later micro-batch's backward the shared casts' ToCopyBackward nodes, made in the
+    first micro-batch's forward, come after every other node, so each linear's bf16 weight gradient
+    waits in its cast's input buffer until that backward ends: one more bf16 copy of the stage's
+    linear weights. (Found by live-tensor accounting at the first stage's peak, made by aten.mm in
+    backward; without pipelining each micro-batch makes its own casts in order.)"""
+    if not (job.autocast and job.spec.pipeline is not None and job.microbatches > 1):
+        return 0.0
+    return extra.get("weight_casts", 0.0)
+
+
 def accumulated_grads(job: Job, sp: StageParams) -> float:
     """ZeRO-2/3 reducing once per step (parallel.grad_sync=step, and always under pipelining): FSDP2
     accumulates each micro-batch's gradient unsharded, in the reduce dtype (fp32), until the step's last
@@ -518,22 +531,27 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
     second = accumulation_transient(job, sp, acts["activations"] / held)
-    # A third, with data-parallel all-reduces under FSDP2 (HSDP, replicate): the end of a backward
-    # that follows another, every unit's all-reduce buffer beside the gradients (all_reduce_buffers).
+    # A third: the end of a backward that follows another, with every unit's all-reduce buffer beside
+    # the gradients under FSDP2's data-parallel all-reduces (HSDP, replicate; all_reduce_buffers) and,
+    # under autocast with pipelining, every linear's bf16 weight gradient (cast_weight_grads).
     held_ar = all_reduce_buffers(job, sp)
+    cast_grads = cast_weight_grads(job, extra)
     before = acts["activations"] + logits
     after = (dev["grads"] + accum + second + acts["activations"] * held_g / held
              + (logits if held_g >= 1 else 0.0))
-    end = dev["grads"] + accum + held_ar + acts["activations"] * max(0.0, held_g - 1) / held
+    # The first stage's backward ends in the embedding's, whose fresh gradient comes beside .grad there.
+    end_second = accumulation_transient(job, sp, 0.0) if job.first(stage) and lay.pp > 1 else 0.0
+    end = (dev["grads"] + accum + held_ar + cast_grads + end_second
+           + acts["activations"] * max(0.0, held_g - 1) / held)
     if before > max(after, end):
-        dev["grads"], accum, second, held_ar = 0.0, 0.0, 0.0, 0.0
+        dev["grads"], accum, second, held_ar, cast_grads = 0.0, 0.0, 0.0, 0.0, 0.0
     elif end > after:
         acts["activations"] *= max(0.0, held_g - 1) / held
-        logits, second = 0.0, 0.0
+        logits, second = 0.0, end_second
     else:
         acts["activations"] *= held_g / held
         logits = logits if held_g >= 1 else 0.0
-        held_ar = 0.0
+        held_ar, cast_grads = 0.0, 0.0
     dev = {k: v for k, v in dev.items() if v}
     dev.update({k: v for k, v in acts.items() if v})
     if logits:
@@ -544,6 +562,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         dev["second_grad"] = second
     if held_ar:
         dev["all_reduce_buffers"] = held_ar
+    if cast_grads:
+        dev["cast_grads"] = cast_grads
     buffers = pipeline_buffers(job, stage)
     if buffers:
         dev["pipeline_buffers"] = buffers
@@ -622,7 +642,7 @@ def _memory_fix(job: Job, big: str) -> str:
         if job.virtual_stages > 1:
             fixes.append("fewer parallel.pp_virtual_stages")
         return "Fix: " + ", ".join(fixes + ["more parallel.tp"])
-    if big == "weight_casts":  # autocast's bf16 copy of fp32 weights; FSDP2 gathers bf16 unit by unit
+    if big in ("weight_casts", "cast_grads"):  # autocast's bf16 copies of fp32 weights; FSDP2 gathers bf16 unit by unit
         return "Fix: parallel.zero=3 (FSDP2 keeps no bf16 copy of the whole stage) or more parallel.tp/pp"
     if big in ("activations", "recompute", "logits"):
         fixes = []
