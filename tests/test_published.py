@@ -132,7 +132,8 @@ def test_fit_reproduces_the_cluster_presets(rows):
     for kind, v in fitted.items():
         for k in (kind, *F.SHARES.get(kind, ())):
             c = P.preset(k)
-            assert (c.matmul_efficiency, c.attention_efficiency) == (v["matmul_efficiency"], v["attention_efficiency"]), k
+            fitted = (v["matmul_efficiency"], v["attention_efficiency"])
+            assert (c.matmul_efficiency, c.attention_efficiency) == fitted, k
 
 
 # --- what a test must catch -----------------------------------------------------------------

@@ -323,7 +323,8 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         regathered = 0.0
         if job.spec.sp_regather:  # each re-gather feeds the weight gradient of wq|wk|wv, w1|w3 or the output
             qkv, w13 = lf["linears"][0], lf["linears"][2]
-            regathered = (layers - recomputed) * (_tp_exposed(c, qkv, sw, bwd=True) + _tp_exposed(c, w13, sw, bwd=True))
+            regathered = (layers - recomputed) * (_tp_exposed(c, qkv, sw, bwd=True)
+                                                  + _tp_exposed(c, w13, sw, bwd=True))
             regathered += _tp_exposed(c, out, sw, bwd=True) if last else 0.0
         tp_exposed = (fwd_blocks * sum(_tp_exposed(c, g, sw) for g in lf["linears"])
                       - rerun_rs * _tp_exposed(c, lf["linears"][3], sw) * (1 if job.sequence_parallel else 2)
