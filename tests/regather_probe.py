@@ -28,16 +28,21 @@ COMMON = ["+experiment=tiny", "data.seq_len=1024", "train.global_batch=8", "trai
 
 
 class Made(TorchDispatchMode):
-    """Weak references to the tensors every op returns."""
+    """Weak references to the tensors every op returns (those `keep(func, tensor)` accepts, if given)."""
 
-    def __init__(self):
+    def __init__(self, keep=None):
         super().__init__()
         self.refs = []
+        self.keep = keep
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.refs.extend(weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        self.refs.extend(weakref.ref(t) for t in tree_flatten(out)[0]
+                         if isinstance(t, torch.Tensor) and (self.keep is None or self.keep(func, t)))
         return out
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
 
     def alive_bytes(self) -> int:
         from torch.distributed.tensor import DTensor

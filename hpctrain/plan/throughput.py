@@ -194,8 +194,8 @@ class Collective:
                 "time_s": self.total, "exposed_s": self.exposed}
 
 
-def link(cluster: Any, size: int, stride: int) -> tuple[float, float]:
-    """(bus bandwidth, latency) of a group of `size` ranks `stride` apart in the mesh.
+def link(cluster: Any, size: int, stride: int) -> tuple[float, float, int]:
+    """(bus bandwidth, latency, nodes spanned) of a group of `size` ranks `stride` apart in the mesh.
 
     Inside a node: NVLink-class bandwidth. Across nodes the node's NICs are shared by every rank on
     it (all groups of one mesh dimension communicate at once), so a group with g members per node
@@ -204,10 +204,10 @@ def link(cluster: Any, size: int, stride: int) -> tuple[float, float]:
     rpn = ranks_per_node(cluster)
     intra = cluster.intra_node_gbps * 1e9
     if size * stride <= rpn:
-        return intra, cluster.intra_node_latency_us * 1e-6
+        return intra, cluster.intra_node_latency_us * 1e-6, 1
     per_node = max(1, min(size, rpn // stride))
     inter = cluster.nics_per_node * cluster.inter_node_gbps * 1e9 * per_node / rpn
-    return min(intra, inter), cluster.inter_node_latency_us * 1e-6
+    return min(intra, inter), cluster.inter_node_latency_us * 1e-6, -(-size // per_node)
 
 
 def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collective:
@@ -215,9 +215,7 @@ def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collectiv
     size, stride = {"tp": (lay.tp, 1), "dp_shard": (lay.dp_shard, lay.tp), "dp": (lay.dp, lay.tp),
                     "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
                     "pp": (2, lay.tp * lay.dp)}[dim]
-    bw, lat = link(job.cluster, size, stride)
-    rpn = ranks_per_node(job.cluster)
-    nodes = 1 if size * stride <= rpn else -(-size // max(1, min(size, rpn // stride)))
+    bw, lat, nodes = link(job.cluster, size, stride)
     return Collective(dim, op, size, nbytes, count, bw, lat, nodes=nodes,
                       intra_latency=job.cluster.intra_node_latency_us * 1e-6)
 
