@@ -55,7 +55,7 @@ def median(xs):
 
 def start_rank(threads: int = 1, timeout_s: int = 300):
     """detect() + init() as hpctrain's own ranks do, with `threads` intra-op threads; the DistEnv."""
-    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.distributed.bootstrap import detect, init
 
     de = detect()
     init(de, "gloo", timeout_s, threads)
@@ -76,7 +76,7 @@ def preimport() -> None:
 
 
 def compose_cfg(overrides: Sequence[str]):
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
 
     return compose(list(overrides))
 

@@ -109,8 +109,8 @@ def measure_size(dim: int, a, out_dir: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.checkpoint import store
-    from hpctrain.compose import compose
+    from hpctrain.checkpoint import directories as store
+    from hpctrain.core.compose import compose
     from hpctrain.train.loop import Trainer
 
     rank = dist.get_rank()
@@ -227,7 +227,7 @@ def fixed_cost(a, out_dir: Path, saves: int = 12) -> dict:
     besides streaming its bytes (opening the save, planning, metadata, commit)."""
     import torch
 
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
     from hpctrain.train.loop import Trainer
 
     run_dir = out_dir / "tiny"
@@ -248,7 +248,7 @@ def fixed_cost(a, out_dir: Path, saves: int = 12) -> dict:
 def worker(a) -> None:
     import torch.distributed as dist
 
-    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.distributed.bootstrap import detect, init
 
     init(detect(), "gloo", 1800, 1)
     results = [measure_size(d, a, a.dir) for d in a.dims]

@@ -4,7 +4,7 @@
     python benchmarks/collectives_vs_mpi.py --sizes 64M,256M --iters 5 --rounds 3 --modes default,nolocal
 
 The driver starts `mpiexec -n <np>` once per MPI mode. In each run every rank brings up
-torch.distributed (gloo, through hpctrain.dist.bootstrap: rank 0's TCPStore address travels over MPI)
+torch.distributed (gloo, through hpctrain.distributed.bootstrap: rank 0's TCPStore address travels over MPI)
 and times both libraries on the SAME float32 buffer (the numpy array is a view of the torch tensor),
 in place, alternating which goes first round by round, so both see the same machine at the same
 moments (this VM is shared and noisy). Both results are checked once (sum of rank+1 everywhere).
@@ -43,7 +43,7 @@ def worker(a) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.dist import bootstrap
+    from hpctrain.distributed import bootstrap
 
     de = bootstrap.detect()
     if de.launcher != "mpi":

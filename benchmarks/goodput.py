@@ -8,7 +8,7 @@ any human action.
 run lasts long enough to be hit.) The schedule: rank 2 SIGKILLs itself at step 0.2 x steps (first
 start), rank 1 hangs at 0.45 x steps (second start), node n2 is killed with everything on it once
 the third start passes 0.7 x steps. Per failure: time to detect, time to recover (failure -> first
-step after the restart), steps trained again; and each run's goodput (hpctrain.goodput). Targets:
+step after the restart), steps trained again; and each run's goodput (hpctrain.report.goodput). Targets:
 recovery from the crash <= 30 s; the hang detected within hang_timeout_s + 10 s; no failure redoes
 more than the checkpoint interval. Writes results.json and goodput.png; needs `slurm/start.sh 2`.
 """
@@ -45,7 +45,7 @@ def state(job: str) -> str:
 
 def last_step(run_dir: Path) -> tuple[int, int]:
     """(last logged step, attempts started)."""
-    from hpctrain.rundir import read_jsonl
+    from hpctrain.core.rundir import read_jsonl
 
     m = read_jsonl(run_dir / "metrics.jsonl")
     attempts = [p for p in (run_dir / "attempts").glob("*") if p.name.isdigit()] if (run_dir / "attempts").is_dir() else []
@@ -66,7 +66,7 @@ def run(run_dir: Path, a, fault: str, kill_node_at: int | None) -> dict:
         time.sleep(0.5)
     if killed:
         subprocess.run(["bash", str(REPO / "slurm" / "start.sh"), "2"], capture_output=True)
-    from hpctrain.goodput import measure
+    from hpctrain.report.goodput import measure
 
     g = measure(run_dir)
     return {"job": job, "state": state(job), "goodput": g.goodput, "wall_s": g.wall_s,
@@ -80,7 +80,7 @@ def plot(base_dir: Path, fail_dir: Path, res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hpctrain.rundir import read_jsonl
+    from hpctrain.core.rundir import read_jsonl
 
     fig, ax = plt.subplots(figsize=(9, 4))
     for d, label in ((base_dir, "no failures"), (fail_dir, "crash, hang, lost node")):

@@ -45,7 +45,7 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PY" - <<'EOF' || exit 1
-import torch, hydra, omegaconf, hpctrain.compose
+import torch, hydra, omegaconf, hpctrain.core.compose
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "(no GPU)")
 print("hydra", hydra.__version__, "omegaconf", omegaconf.__version__)

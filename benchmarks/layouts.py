@@ -214,7 +214,7 @@ def worker(out: str, spec: str) -> None:
 
 def predicted(name: str, model: str) -> tuple[list[dict], dict]:
     """The planner's device bytes (by kind) for each rank's pipeline stage, and its job summary."""
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
     from hpctrain.plan.memory import job_of, stage_memory
 
     n = LAYOUTS[name][0]

@@ -75,7 +75,7 @@ SHAPE = dict(dim=256, layers=8, heads=4, kv_heads=2, ffn=768, vocab=1024, seq=12
 
 
 def stages_per_rank(schedule: str) -> int:
-    from hpctrain.spec import stages_per_rank as spr
+    from hpctrain.core.spec import stages_per_rank as spr
 
     return spr(schedule, 1)
 

@@ -38,8 +38,8 @@ def worker(out: Path, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.compose import compose
-    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.core.compose import compose
+    from hpctrain.distributed.bootstrap import detect, init
     from hpctrain.train.metrics import MetricsLogger
     from hpctrain.train.preempt import Preemption
     from hpctrain.train.loop import Trainer

@@ -9,12 +9,12 @@ import sys
 
 from omegaconf import OmegaConf
 
-from hpctrain.compose import ConfigError
-from hpctrain.plan.check import check, compose_checked
+from hpctrain.core.compose import ConfigError
+from hpctrain.checks.config_checks import check, compose_checked
 from hpctrain.plan.login import plan_one, write_plan
-from hpctrain.plan.report import summary as plan_summary
-from hpctrain.rundir import overwrite_problem, prepare_run_dir
-from hpctrain.spec import engine_spec
+from hpctrain.plan.verdict import summary as plan_summary
+from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
+from hpctrain.core.spec import engine_spec
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
 

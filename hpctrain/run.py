@@ -14,12 +14,12 @@ import time
 import traceback
 from pathlib import Path
 
-from hpctrain import faults
-from hpctrain.compose import load
-from hpctrain.dist import nccl
-from hpctrain.dist.bootstrap import BootstrapError, detect, init
-from hpctrain.rundir import attempt_dir
-from hpctrain.spec import backend_for, engine_spec
+from hpctrain.core import faults
+from hpctrain.core.compose import load
+from hpctrain.distributed import nccl
+from hpctrain.distributed.bootstrap import BootstrapError, detect, init
+from hpctrain.core.rundir import attempt_dir
+from hpctrain.core.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
 
 log = logging.getLogger("hpctrain")
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
-    from hpctrain.dist import health
+    from hpctrain.distributed import health
     from hpctrain.train.loop import Trainer
     from hpctrain.train.watchdog import Watchdog
 

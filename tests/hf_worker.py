@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.loop import Trainer
 
 from rank_worker import over_layouts, run_rank_of_layouts
@@ -34,7 +34,7 @@ def first_loss() -> None:
 
 
 def save_init() -> None:
-    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.distributed.bootstrap import detect, init
 
     run, layout = sys.argv[2], sys.argv[3]
     de = detect()

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.loop import Trainer
 
 from rank_worker import over_layouts, run_rank_of_layouts, train_steps

@@ -16,7 +16,7 @@ def over_layouts(out: str, layouts: list[str], one: Callable[[str, str, Any], An
     `out` as JSON."""
     import torch.distributed as dist
 
-    from hpctrain.dist.bootstrap import detect, init
+    from hpctrain.distributed.bootstrap import detect, init
 
     de = detect()
     init(de, "gloo", 120, 1)
@@ -39,7 +39,7 @@ def probe_trainers(common: list[str], probe: Callable[[Any], Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
     from hpctrain.train.loop import Trainer
 
     def one(spec: str, d: str, de) -> list:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hpctrain import hf
+from hpctrain.core import hf_format as hf
 from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 
 

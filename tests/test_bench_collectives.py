@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from hpctrain.bench import collectives as C
-from hpctrain.bench import report as R
+from hpctrain.report import nccl_report as R
 from hpctrain.bench import sweep as S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -265,7 +265,7 @@ def test_null_unsets_a_variable(tmp_path):
 def test_report_on_recorded_sweep(tmp_path):
     d = tmp_path / "sweep"
     shutil.copytree(RECORDED, d)
-    p = subprocess.run([sys.executable, "-m", "hpctrain.bench.report", str(d)], cwd=REPO, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "hpctrain.report.nccl_report", str(d)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     md = (d / "report.md").read_text()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.dist import hostlist
-from hpctrain.dist.bootstrap import BootstrapError, DistEnv, detect, slurm_port
+from hpctrain.distributed import hostlist
+from hpctrain.distributed.bootstrap import BootstrapError, DistEnv, detect, slurm_port
 from hpctrain.launch.local import rank_env
 
 # What a login shell or a batch script carries anyway: must not confuse detection.

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctrain.checkpoint import store
+from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.preempt import Preemption
 from hpctrain.train.loop import Trainer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
 
 from helpers import REPO, run_cli

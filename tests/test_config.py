@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.plan.check import check, compose_checked
-from hpctrain.compose import ConfigError, compose
+from hpctrain.checks.config_checks import check, compose_checked
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def test_all_problems_reported_at_once():
 def test_replicated_data_parallel_composes_with_tp_and_pp(overrides):
     """DDP / ZeRO-1 layouts (parameters replicated over data parallel) with TP or PP: accepted, and run on
     FSDP2's replicate (ZeRO-1: the optimizer sharded by parameter owner) -- Megatron's layout."""
-    from hpctrain.spec import engine_spec
+    from hpctrain.core.spec import engine_spec
 
     cfg, refused = compose_checked([TINY, "launcher.nproc=4", *overrides])
     check(cfg, refused)  # raises ConfigError if refused

@@ -17,12 +17,12 @@ import pytest
 from omegaconf import open_dict
 
 from helpers import REPO, run_cli
-from hpctrain.compose import ConfigError
-from hpctrain.dist.bootstrap import slurm_port
+from hpctrain.core.compose import ConfigError
+from hpctrain.distributed.bootstrap import slurm_port
 from hpctrain.launch import container, runners
 from hpctrain.launch.runners import SrunRunner
 from hpctrain.launch.sbatch import sbatch_script
-from hpctrain.plan.check import problems
+from hpctrain.checks.config_checks import problems
 from test_sbatch import PYTHON, check_snapshot, config, no_live_cluster  # noqa: F401 (an autouse fixture)
 
 IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"  # as Docker and Kubernetes write it

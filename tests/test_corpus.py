@@ -207,8 +207,8 @@ def test_login_node_refuses_validation_without_a_split_and_mixed_tokenizers(exam
     prepare(example_corpus / "corpus.jsonl", tmp_path / "noval", example_corpus / "tokenizer.json", val_fraction=0)
     bytes_dir = tmp_path / "bytes"
     prepare(example_corpus / "corpus.jsonl", bytes_dir, val_fraction=0)
-    from hpctrain.compose import ConfigError, compose
-    from hpctrain.plan.check import check
+    from hpctrain.core.compose import ConfigError, compose
+    from hpctrain.checks.config_checks import check
 
     def refusal(*overrides) -> str:
         with pytest.raises(ConfigError) as e:

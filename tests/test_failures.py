@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from hpctrain import faults
-from hpctrain.compose import ConfigError, compose
+from hpctrain.core import faults
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.plan.elastic import micro_batch_for, shrink
 from hpctrain.launch.failures import classify, read_reports, srun_failures
 
@@ -118,7 +118,7 @@ def test_srun_failures_stop_where_srun_tears_the_step_down():
 # --- health ---------------------------------------------------------------------------------------
 
 def test_health_judge_names_a_slow_node_even_among_two():
-    from hpctrain.dist.health import judge
+    from hpctrain.distributed.health import judge
 
     v = judge([("n1", 0.004, True), ("n1", 0.005, True), ("n2", 0.040, True), ("n2", 0.041, True)], 2.0)
     assert list(v.unhealthy) == ["n2"] and "8.2x the median node's 5.0 ms" in v.unhealthy["n2"]
@@ -215,7 +215,7 @@ def test_watchdog_fires_with_stacks_and_a_report(tmp_path):
 # --- goodput --------------------------------------------------------------------------------------
 
 def test_goodput_charges_interruptions(tmp_path):
-    from hpctrain.goodput import main, measure, report
+    from hpctrain.report.goodput import main, measure, report
 
     attempts = [{"attempt": 0, "start": 100.0, "end": 130.0, "rc": 137}, {"attempt": 1, "start": 131.0, "end": 160.0, "rc": 0}]
     metrics = [{"step": s, "step_time_s": 0.5, "time": 100.0 + s} for s in range(1, 41)]

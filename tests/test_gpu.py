@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpctrain.rundir import read_jsonl  # noqa: E402
+from hpctrain.core.rundir import read_jsonl  # noqa: E402
 
 from helpers import REPO, run_cli  # noqa: E402
 

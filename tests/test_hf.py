@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctrain import hf
-from hpctrain.compose import ConfigError, compose
+from hpctrain.core import hf_format as hf
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.launch.local import launch
 from hpctrain.models.llama import Llama, LlamaArgs
-from hpctrain.plan.check import check
+from hpctrain.checks.config_checks import check
 
 from helpers import run_cli
 from reference import hf_dir
@@ -47,7 +47,7 @@ def model_and_hf(shape: dict, tmp: Path, seq: int = 64):
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
-    from hpctrain.config import ModelConfig
+    from hpctrain.core.schema import ModelConfig
 
     m = OmegaConf.merge(OmegaConf.structured(ModelConfig), shape)
     ours = Llama(LlamaArgs.from_config(m, max_seq_len=seq))
@@ -92,7 +92,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     from safetensors.torch import load_file
 
-    from hpctrain.compose import load
+    from hpctrain.core.compose import load
 
     cfg = load(run / "config.yaml")
     ours = Llama(LlamaArgs.from_config(cfg.model, max_seq_len=64)).eval()
@@ -110,7 +110,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 def test_export_in_bf16_shards(tmp_path):
     run = tmp_path / "run"
     run_cli("+experiment=tiny", "train.steps=1", "checkpoint.every=1", f"run.dir={run}")
-    from hpctrain.checkpoint.hf_io import export_hf
+    from hpctrain.checkpoint.hf_weights import export_hf
 
     index = export_hf(run / "checkpoints" / "step-00000001", tmp_path / "hf", "bf16", shard_bytes=200_000)
     files = sorted(set(index["weight_map"].values()))
@@ -159,7 +159,7 @@ def test_init_from_in_every_layout_starts_where_transformers_is(tmp_path):
 def test_export_of_a_tp2_pp2_checkpoint_equals_the_one_rank_export(tmp_path):
     from safetensors.torch import load_file
 
-    from hpctrain.checkpoint.hf_io import export_hf
+    from hpctrain.checkpoint.hf_weights import export_hf
 
     out = {}
     for world, layout in ((4, "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1"), (1, "parallel.dp_shard=1")):

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf, open_dict
 
-from hpctrain.compose import ConfigError, compose, load
+from hpctrain.core.compose import ConfigError, compose, load
 from hpctrain.launch import k8s, k8s_pod
-from hpctrain.plan import k8s_check
+from hpctrain.checks import k8s_checks as k8s_check
 
 from helpers import check_snapshot
 
@@ -329,7 +329,7 @@ def test_bad_env_name_refused():
 LIGHT = textwrap.dedent("""
     import sys
     import hpctrain.launch.k8s as k8s
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
 
     def loaded():
         return sorted({m.split(".")[0] for m in sys.modules} & {"kubernetes", "torch"})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.launch.local import launch
 
 from reference import reference_run

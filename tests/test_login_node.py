@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent("""
     import sys
     import hpctrain.__main__ as cli
-    from hpctrain.plan.check import check
-    from hpctrain.compose import compose
+    from hpctrain.checks.config_checks import check
+    from hpctrain.core.compose import compose
 
     assert "torch" not in sys.modules, "importing hpctrain.__main__ imported torch"
     for overrides in (["+experiment=tiny"], ["+experiment=tiny", "model=70b"],

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from hpctrain.config import ModelConfig
+from hpctrain.core.schema import ModelConfig
 from hpctrain.models.llama import (Attention, Llama, LlamaArgs, apply_rope, build_meta, count_params,
                                    init_param_)
-from hpctrain.flops import param_counts
+from hpctrain.core.flops import param_counts
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 MODEL_YAMLS = sorted(p.stem for p in CONF.glob("*.yaml"))

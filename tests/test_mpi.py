@@ -7,9 +7,9 @@ import shutil
 import subprocess
 import sys
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
-from hpctrain.rundir import prepare_run_dir
+from hpctrain.core.rundir import prepare_run_dir
 
 from helpers import REPO, run_cli
 

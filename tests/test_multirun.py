@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hpctrain.compose import ConfigError, compose
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.launch import chain
 from hpctrain.launch.multirun import dir_name, expand
 from hpctrain.launch.sbatch import sbatch_script

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpctrain.dist.nccl import active_hcas, nccl_env, socket_ifname
+from hpctrain.distributed.nccl import active_hcas, nccl_env, socket_ifname
 
 
 def fake_sysfs(root: Path, hcas: dict[str, dict[str, str]], nets: dict[str, str]) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.offload import HostAdamW, OffloadError
 from hpctrain.offload import nvme as nvme_mod
 from hpctrain.offload.adam_kernel import AdamKernel
@@ -211,7 +211,7 @@ def tiny_disk(tmp_path):
 
 
 def _problems(*overrides):
-    from hpctrain.plan.check import compose_checked, problems
+    from hpctrain.checks.config_checks import compose_checked, problems
 
     cfg, refused = compose_checked(["+experiment=tiny", *overrides])
     return refused + problems(cfg)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config import OptimConfig
+from hpctrain.core.schema import OptimConfig
 from hpctrain.train.optim import build_optimizer, lr_factor
 
 WARMUP, TOTAL, MIN = 10, 100, 0.1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from hpctrain.compose import conf_dir
+from hpctrain.core.compose import conf_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,5 +32,5 @@ def test_wheel_carries_conf(tmp_path):
     (wheel,) = tmp_path.glob("hpctrain-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("hpctrain/conf/config.yaml", "hpctrain/conf/model/tiny.yaml", "hpctrain/conf/experiment/70b.yaml",
-              "hpctrain/dist/bootstrap.py", "hpctrain/checkpoint/manager.py"):
+              "hpctrain/distributed/bootstrap.py", "hpctrain/checkpoint/manager.py"):
         assert f in names, f

@@ -1,4 +1,4 @@
-"""Uneven pipeline splits: the automatic split by weight (hpctrain.spec.split_layers), parallel.pp_layers
+"""Uneven pipeline splits: the automatic split by weight (hpctrain.core.spec.split_layers), parallel.pp_layers
 and its refusals, the planner and parallel=auto on layers that do not divide, and Llama 3 405B's
 published layout (126 layers, TP8 PP16 DP64) planned on 8,192 H100s. Pure arithmetic, no torch; the
 engine running these splits against the reference is tests/test_layouts.py (UNEVEN_BLOCKS)."""
@@ -13,13 +13,13 @@ from functools import lru_cache
 
 import pytest
 
-from hpctrain.compose import compose
-from hpctrain.config import ModelConfig
-from hpctrain.plan.check import problems
+from hpctrain.core.compose import compose
+from hpctrain.core.schema import ModelConfig
+from hpctrain.checks.config_checks import problems
 from hpctrain.plan.memory import GiB, job_of, memory
-from hpctrain.plan.report import plan
+from hpctrain.plan.verdict import plan
 from hpctrain.plan.search import Space, layout_problems, search
-from hpctrain.spec import auto_layers, engine_spec, split_layers, stage_owners
+from hpctrain.core.spec import auto_layers, engine_spec, split_layers, stage_owners
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.compose import compose
-from hpctrain.spec import Layout
-from hpctrain.flops import param_counts
+from hpctrain.core.compose import compose
+from hpctrain.core.spec import Layout
+from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import (GiB, activations, in_flight, in_flight_with_grads, job_of, layer_activation_bytes,
                                   memory, model_state, stage_memory)
-from hpctrain.plan.report import (MEGATRON_H100, calibration, calibration_table, explain, plan, plan_dict,
+from hpctrain.plan.verdict import (MEGATRON_H100, calibration, calibration_table, explain, plan, plan_dict,
                                   save_memory_png, summary)
 from hpctrain.plan.search import Space, evaluate, nearest, search
 from hpctrain.plan.throughput import bubble_divisor, throughput
@@ -490,8 +490,8 @@ def test_checkpointed_block_reruns_what_the_planner_prices():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hpctrain.config import ModelConfig
-    from hpctrain.flops import recompute_flops_per_token
+    from hpctrain.core.schema import ModelConfig
+    from hpctrain.core.flops import recompute_flops_per_token
     from hpctrain.models.llama import Block, LlamaArgs, rope_tables
     from hpctrain.parallel.activation import apply_ac
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpctrain.compose import ConfigError, compose
-from hpctrain.plan.check import check, compose_checked
-from hpctrain.rundir import read_jsonl
+from hpctrain.core.compose import ConfigError, compose
+from hpctrain.checks.config_checks import check, compose_checked
+from hpctrain.core.rundir import read_jsonl
 from hpctrain.train.preempt import Preemption
 from hpctrain.train.profile import STEP_NAME, Profiler
 

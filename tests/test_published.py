@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 
 import hpctrain.plan.throughput as T
-from hpctrain.flops import train_flops_per_token
+from hpctrain.core.flops import train_flops_per_token
 from hpctrain.plan import fit as F
 from hpctrain.plan import published as P
-from hpctrain.plan.report import explain
+from hpctrain.plan.verdict import explain
 
 # What the planner achieves on the held-out rows, with a margin (tokens/s per GPU): the median
 # |error| is 3.9%, the worst +40%. The rows outside 15% (2, both llm-foundry A100 40GB rows out of line

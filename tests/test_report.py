@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpctrain import report
-from hpctrain.rundir import read_jsonl
+from hpctrain.report import run_report as report
+from hpctrain.core.rundir import read_jsonl
 
 from helpers import run_cli
 

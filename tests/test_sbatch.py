@@ -14,8 +14,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from hpctrain.plan.check import problems
-from hpctrain.compose import ConfigError, compose
+from hpctrain.checks.config_checks import problems
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.launch.sbatch import directives, sbatch_script
 
 from helpers import check_snapshot
@@ -43,7 +43,7 @@ H100_SET = {
 @pytest.fixture(autouse=True)
 def no_live_cluster(monkeypatch):
     """These tests are about the text: the partition checks against sinfo are not theirs."""
-    monkeypatch.setattr("hpctrain.plan.cluster_check.partition_facts", lambda *a, **k: None)
+    monkeypatch.setattr("hpctrain.checks.cluster_checks.partition_facts", lambda *a, **k: None)
 
 
 TINY = ["+experiment=tiny", "launcher=sbatch", "cluster=local", "train.micro_batch=4"]

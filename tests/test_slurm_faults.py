@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.rundir import read_jsonl
+from hpctrain.core.rundir import read_jsonl
 
 from helpers import REPO, run_cli, wait_until
 from test_slurm_requeue import BASE, losses, slurm_log, submit_sbatch

@@ -20,9 +20,9 @@ import pytest
 from omegaconf import open_dict
 
 from helpers import run_cli
-from hpctrain.plan.check import problems
-from hpctrain.compose import compose
-from hpctrain.plan.cluster_check import (gpus_of, parse_sinfo, parse_time, partition_problems,
+from hpctrain.checks.config_checks import problems
+from hpctrain.core.compose import compose
+from hpctrain.checks.cluster_checks import (gpus_of, parse_sinfo, parse_time, partition_problems,
                                           time_problems)
 from hpctrain.launch.slurm import executor_parameters
 
@@ -117,7 +117,7 @@ def test_partition_problems_from_sinfo_text():
 
 
 def test_partition_check_skipped_without_a_working_sinfo(monkeypatch, tmp_path):
-    from hpctrain.plan import cluster_check
+    from hpctrain.checks import cluster_checks as cluster_check
 
     monkeypatch.setattr(cluster_check.shutil, "which", lambda name: None)
     assert cluster_check.partition_facts() is None
@@ -307,7 +307,7 @@ def test_launcher_slurm_submits_through_submitit(slurm, tmp_path):
 
 @pytest.mark.slurm
 def test_hostlist_parser_agrees_with_scontrol(slurm):
-    from hpctrain.dist.hostlist import expand
+    from hpctrain.distributed.hostlist import expand
 
     # (Slurm 22.05 refuses a suffix after a bracket, "x[1-3]y"; our parser accepts it: not compared.)
     for hl in ("n[001-004,010],gpu-a[1-2]", "n1", "a[8-11]", "node[07-12]", "r[1-2]n[01-02]",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.launch.local import launch
 from hpctrain.plan.memory import activations, boundary_bytes, job_of, layer_activation_bytes, pipeline_receives
 
@@ -128,7 +128,7 @@ def test_autocast_blocks_keep_bf16_weight_copies_and_an_fp32_stream(measured):
     copies are ~40% of it). Caught: the weight copies not priced (-40%), the stream priced in bf16
     (-6%), and the norms leaving their outputs in fp32, which each linear then casts and keeps anew
     (wq, wk, wv: three copies; w1, w3: two; +10%)."""
-    from hpctrain.flops import param_counts
+    from hpctrain.core.flops import param_counts
     from regather_probe import COMMON
 
     job = job_of(compose([*COMMON, "launcher.nproc=2", *LAYOUTS[4, "bf16"].split()]))

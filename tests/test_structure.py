@@ -13,26 +13,26 @@ PKG = Path(__file__).resolve().parent.parent / "hpctrain"
 
 # Module (or package prefix) -> tier. The first matching prefix wins.
 TIERS = [
-    # the foundation, torch-free: the schema, composing, the engine spec, arithmetic, the run
-    # directory, fault injection, dataset formats, the Hugging Face format's names and shapes
-    ("hpctrain.config", "foundation"), ("hpctrain.compose", "foundation"), ("hpctrain.spec", "foundation"),
-    ("hpctrain.flops", "foundation"), ("hpctrain.rundir", "foundation"), ("hpctrain.disk", "foundation"),
-    ("hpctrain.faults", "foundation"), ("hpctrain.data", "foundation"), ("hpctrain.hf", "foundation"),
-    # the login node: compose -> check -> plan -> launch
-    ("hpctrain.__main__", "login"), ("hpctrain.plan", "login"), ("hpctrain.launch", "login"),
-    ("hpctrain.goodput", "login"), ("hpctrain.report", "login"), ("hpctrain.sweep_report", "login"),
+    # the foundation, torch-free: the schema, composing, the engine spec, FLOP counts, the run
+    # directory, fault injection, the Hugging Face format's names and shapes; dataset formats
+    ("hpctrain.core", "foundation"), ("hpctrain.data", "foundation"),
+    # the login node: compose -> check -> plan -> launch, and the reports people read
+    ("hpctrain.__main__", "login"), ("hpctrain.checks", "login"), ("hpctrain.plan", "login"),
+    ("hpctrain.launch", "login"), ("hpctrain.report.nccl_report", "tools"), ("hpctrain.report", "login"),
     # every rank
-    ("hpctrain.run", "runtime"), ("hpctrain.train", "runtime"), ("hpctrain.dist", "runtime"),
+    ("hpctrain.run", "runtime"), ("hpctrain.train", "runtime"), ("hpctrain.distributed", "runtime"),
     ("hpctrain.parallel", "runtime"), ("hpctrain.models", "runtime"), ("hpctrain.checkpoint", "runtime"),
     ("hpctrain.offload", "runtime"),
-    # tools on top of both
+    # tools on top of both: the collectives benchmark and its report
     ("hpctrain.bench", "tools"),
 ]
 ALLOWED = {"foundation": {"foundation"}, "login": {"foundation", "login"},
            "runtime": {"foundation", "runtime"}, "tools": {"foundation", "login", "runtime", "tools"}}
 TORCH_FREE = ("foundation", "login")
-# Within a tier: the launchers use the checks and the planner, never the other way round.
-FORBIDDEN = [("hpctrain.plan", "hpctrain.launch")]
+# Within a tier: the launchers use the checks and the planner, never the other way round; the checks
+# come before the planner.
+FORBIDDEN = [("hpctrain.plan", "hpctrain.launch"), ("hpctrain.checks", "hpctrain.launch"),
+             ("hpctrain.checks", "hpctrain.plan")]
 
 
 def module_name(path: Path) -> str:
@@ -64,7 +64,7 @@ def imports(path: Path) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
             # `from hpctrain.offload import adam_cpp` names the module hpctrain.offload.adam_cpp;
-            # `from hpctrain.spec import Layout` names hpctrain.spec.
+            # `from hpctrain.core.spec import Layout` names hpctrain.core.spec.
             subs = {f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")}
             out |= subs if len(subs) == len(node.names) else subs | {base}
     return out

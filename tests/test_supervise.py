@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.rundir import read_jsonl
+from hpctrain.core.rundir import read_jsonl
 
 from helpers import run_cli
 

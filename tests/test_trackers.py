@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.compose import compose
-from hpctrain.rundir import read_jsonl
+from hpctrain.core.compose import compose
+from hpctrain.core.rundir import read_jsonl
 from hpctrain.train import trackers as T
 from hpctrain.train.metrics import MetricsLogger
 
@@ -135,7 +135,7 @@ def test_ids_file_keeps_every_tracker(tmp_path):
 def test_from_config_picks_the_enabled_trackers_and_imports_none_of_them(tmp_path):
     script = (
         "import sys\n"
-        "from hpctrain.compose import compose\n"
+        "from hpctrain.core.compose import compose\n"
         "from hpctrain.train.trackers import from_config\n"
         "names = lambda o: [t.name for t in from_config(compose(['+experiment=tiny', *o]), sys.argv[1])]\n"
         "assert names([]) == [], names([])\n"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.compose import compose
+from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli

@@ -4,7 +4,7 @@
     srun -N2 --ntasks-per-node=8 python -m hpctrain.bench.collectives       # NCCL on GPUs
     python -m hpctrain.bench.collectives --ops all_reduce,all_gather --min-bytes 1M --max-bytes 1G
 
-Any launcher `hpctrain.dist.bootstrap.detect()` knows works (srun, torchrun, mpiexec, --nproc).
+Any launcher `hpctrain.distributed.bootstrap.detect()` knows works (srun, torchrun, mpiexec, --nproc).
 Backend and device are automatic: NCCL on CUDA where GPUs exist, gloo on CPU otherwise.
 
 Per operation and size: every rank fills its buffers with rank-dependent integers, runs the
@@ -355,7 +355,7 @@ class Bench:
     def _fault(self, result) -> None:
         """HPCTRAIN_FAULT="bench_corrupt:rank=R": rank R damages one element of each checked result,
         to prove that the check catches it (tests/test_bench_collectives.py)."""
-        from hpctrain import faults
+        from hpctrain.core import faults
 
         if faults.armed("bench_corrupt", rank=self.rank) and result.numel():
             result[result.numel() // 2] += 1
@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     out_dir = Path(a.out_dir or f"outputs/bench/collectives-{_dt.datetime.now():%Y%m%d-%H%M%S}")
 
-    from hpctrain.dist import bootstrap
+    from hpctrain.distributed import bootstrap
 
     de = bootstrap.detect()
     if a.nproc > 1 and de.launcher == "single" and de.world == 1:
@@ -525,8 +525,8 @@ def _run(a, ops, min_b, max_b, out_dir: Path, de) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.dist import bootstrap
-    from hpctrain.spec import backend_for
+    from hpctrain.distributed import bootstrap
+    from hpctrain.core.spec import backend_for
 
     backend = backend_for(a.backend, "cuda", torch.cuda.is_available())
     if max_b is None:

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hpctrain.bench import collectives as C
-from hpctrain.compose import ConfigError, conf_dir
+from hpctrain.core.compose import ConfigError, conf_dir
 from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.spec import ranks_per_node
 
 
 class SweepConfigError(ConfigError):
@@ -296,7 +296,7 @@ def load(spec: str | Path | Mapping, overrides: Sequence[str] = ()) -> dict:
 def _cluster(name: str | None, overrides: dict):
     """The cluster group as the training launchers see it (composed and typed against the schema),
     with the sweep's own values for the keys it sets."""
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
 
     if name and not (conf_dir() / "cluster" / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in (conf_dir() / "cluster").glob("*.yaml"))
@@ -336,7 +336,7 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
             raise SweepConfigError(f"{key}: {v!r} must be an integer >= {1 if key == 'tasks_per_node' else 0}")
     cl = _cluster(cfg["cluster"], {k: cfg[k] for k in ("gpus_per_node", "cpus_per_task", "partition", "account",
                                                       "qos", "constraint")})
-    # One task per GPU where the nodes have GPUs (hpctrain.spec.ranks_per_node), unless the sweep says.
+    # One task per GPU where the nodes have GPUs (hpctrain.core.spec.ranks_per_node), unless the sweep says.
     tpn = cfg["tasks_per_node"] or ranks_per_node(cl)
     gpus, cpt = cl.gpus_per_node, cl.cpus_per_task
 
@@ -583,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpctrain.bench.sweep: {e}", file=sys.stderr)
         return 2
     print(f"submitted array job {jobs[0].job_id.split('_')[0]} ({len(jobs)} elements); results in {sw.out}\n"
-          f"report: python -m hpctrain.bench.report {sw.out}")
+          f"report: python -m hpctrain.report.nccl_report {sw.out}")
     if not a.wait:
         return 0
     failed = [(j, e) for j, e in wait(jobs) if e is not None]
@@ -592,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours = [x for x in lines if "failed (srun exit" in x]  # run_element's own message, inside submitit's
         print(f"element {j.job_id} failed: {(ours or lines or [type(e).__name__])[-1].strip()}", file=sys.stderr)
     if a.report:
-        from hpctrain.bench import report
+        from hpctrain.report import nccl_report as report
 
         report.main([str(sw.out)])
     return 1 if failed else 0

@@ -6,7 +6,7 @@
 
 `export --format hf` writes a Hugging Face Llama directory (config.json, safetensors files of at most
 --shard-gb with their index, Hugging Face's names) that transformers' LlamaForCausalLM.from_pretrained
-loads, streaming one tensor at a time (hpctrain.checkpoint.hf_io). Without --format hf: one consolidated
+loads, streaming one tensor at a time (hpctrain.checkpoint.hf_weights). Without --format hf: one consolidated
 file with hpctrain's parameter names, safetensors when <file> ends in .safetensors, otherwise
 torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any layout.
 """
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpctrain.checkpoint import store
+from hpctrain.checkpoint import directories as store
 
 
 def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     try:
         if args.format == "hf":
-            from hpctrain.checkpoint.hf_io import export_hf
+            from hpctrain.checkpoint.hf_weights import export_hf
 
             index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
             files = sorted(set(index["weight_map"].values()))

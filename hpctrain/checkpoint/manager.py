@@ -32,14 +32,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from hpctrain.checkpoint import store
-from hpctrain.checkpoint.planner import ReusingSavePlanner
+from hpctrain.checkpoint import directories as store
+from hpctrain.checkpoint.save_planner import ReusingSavePlanner
 from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
-from hpctrain.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
-from hpctrain.faults import wrap_writer
+from hpctrain.core.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
+from hpctrain.core.faults import wrap_writer
 
 log = logging.getLogger("hpctrain")
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct, round_up
-from hpctrain.checkpoint.store import fsync_path
+from hpctrain.checkpoint.directories import fsync_path
 
 SUFFIX = ".raw"
 BUFFER = 16 << 20

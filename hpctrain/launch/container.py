@@ -38,14 +38,14 @@ import textwrap
 import zlib
 from typing import Any, Optional
 
-from hpctrain.plan.cluster_check import mount_point
+from hpctrain.checks.cluster_checks import mount_point
 
 # pyxis never passes these from the host into the container; forcing them would put host paths there.
 IMAGE_ONLY_ENV = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
 
 
 def master_port(job_id: str, attempt: int) -> int:
-    """The rendezvous port of one attempt: the one hpctrain.dist.bootstrap.slurm_port picks (the login
+    """The rendezvous port of one attempt: the one hpctrain.distributed.bootstrap.slurm_port picks (the login
     tier imports no rank code; tests/test_container.py holds the two equal)."""
     key = job_id if attempt == 0 else f"{job_id}.{attempt}"
     return 16000 + zlib.crc32(key.encode()) % 16000

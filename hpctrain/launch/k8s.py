@@ -25,7 +25,7 @@ shared one, and a restart fails or hangs), and maps the run's outcome to the pod
 (pod_exit). Checked on one machine with two such "pods" (JOB_COMPLETION_INDEX 0 and 1): a rank
 killed restarts every rank from the newest checkpoint, and SIGTERM to one pod saves and exits
 EXIT_REQUEUE from both. NCCL/InfiniBand
-settings are chosen on each node by the ranks themselves (hpctrain.dist.nccl), as under Slurm;
+settings are chosen on each node by the ranks themselves (hpctrain.distributed.nccl), as under Slurm;
 cluster.env overrides them.
 
 Restarts, as the supervisor does them on Slurm (every rank stops together and all start again from
@@ -65,10 +65,10 @@ import sys
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from hpctrain.compose import ConfigError
-from hpctrain.plan.k8s_check import gib_quantity, k8s_problems, memory_quantity, object_name, subdomain
+from hpctrain.core.compose import ConfigError
+from hpctrain.checks.k8s_checks import gib_quantity, k8s_problems, memory_quantity, object_name, subdomain
 from hpctrain.launch.k8s_pod import EXIT_REQUEUE
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.spec import ranks_per_node
 
 MANIFEST_NAME = "k8s.yaml"
 CONTAINER = "trainer"

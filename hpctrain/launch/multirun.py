@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from hpctrain.compose import ConfigError, conf_dir
+from hpctrain.core.compose import ConfigError, conf_dir
 
 SWEEP_FILE = "sweep.json"
 MAX_ELEMENTS = 1000  # Slurm's default MaxArraySize is 1001
@@ -141,7 +141,7 @@ def read_sweep(sweep_dir: str | Path) -> dict | None:
 # ------------------------------------------------------------------------------------- the command
 
 def _predicted(e: Element) -> str:
-    from hpctrain.plan.report import plan_dict
+    from hpctrain.plan.verdict import plan_dict
 
     d = plan_dict(e.plan)
     return (f"{d['step_time_s']:8.3f} s/step {d['tokens_per_s']:>12,.0f} tok/s "
@@ -152,9 +152,9 @@ def multirun(overrides: list[str]) -> int:
     """`python -m hpctrain -m ...`; returns the exit code."""
     import sys
 
-    from hpctrain.compose import compose
+    from hpctrain.core.compose import compose
     from hpctrain.plan.login import plan_one, write_plan
-    from hpctrain.rundir import overwrite_problem, prepare_run_dir
+    from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
 
     try:
         if "--cfg" in overrides:

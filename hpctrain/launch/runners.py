@@ -15,8 +15,8 @@ from hpctrain.launch import container
 from hpctrain.launch.failures import srun_failures
 from hpctrain.launch.local import Ended, run_ranks, tail
 from hpctrain.launch.sbatch import source_root
-from hpctrain.rundir import attempt_dir
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.rundir import attempt_dir
+from hpctrain.core.spec import ranks_per_node
 
 Poll = Callable[[], None]
 
@@ -77,7 +77,7 @@ class SrunRunner:
 
     def step_env(self, env: dict, attempt: int, base: Optional[dict] = None) -> dict:
         """The srun step's environment. In a container, MASTER_PORT as the ranks would work it out
-        (hpctrain.dist.bootstrap), kept by --container-env over the one enroot's PyTorch hook sets."""
+        (hpctrain.distributed.bootstrap), kept by --container-env over the one enroot's PyTorch hook sets."""
         out = {**(os.environ if base is None else base), **env}
         if self.container:
             out.setdefault("MASTER_PORT", str(container.master_port(self.job, attempt)))

@@ -24,12 +24,12 @@ import shlex
 from pathlib import Path
 from typing import Any, Optional
 
-from hpctrain.compose import ConfigError
+from hpctrain.core.compose import ConfigError
 from hpctrain.launch import container
 from hpctrain.launch.allocation import allocation, sbatch_lines
 from hpctrain.launch.chain import chain_script
-from hpctrain.plan.cluster_check import container_problems, script_problems
-from hpctrain.spec import ranks_per_node
+from hpctrain.checks.cluster_checks import container_problems, script_problems
+from hpctrain.core.spec import ranks_per_node
 
 SCRIPT_NAME = "job.sbatch"
 CHAIN_SCRIPT = "chain.sh"

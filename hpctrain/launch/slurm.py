@@ -5,7 +5,7 @@ parameters: the same allocation launcher=sbatch writes (`hpctrain.launch.allocat
 task `signal_lead_s` before the limit, `--requeue`, `--no-kill`, `--open-mode=append`. The job runs
 `run_task` once, in its batch script: the run's supervisor (hpctrain.launch.supervise), which starts
 one rank per task with srun (torch.distributed comes up from srun's variables in
-hpctrain.dist.bootstrap, not submitit's TorchDistributedEnvironment, which refuses variables that
+hpctrain.distributed.bootstrap, not submitit's TorchDistributedEnvironment, which refuses variables that
 are already set), restarts them after a failure and requeues the job after a preemption save. Nothing
 here waits for or watches the job.
 
@@ -24,7 +24,7 @@ from typing import Any, Optional
 from hpctrain.launch import chain
 from hpctrain.launch.allocation import allocation, submitit_parameters
 from hpctrain.launch.sbatch import exports
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.spec import ranks_per_node
 
 FOLDER = "submitit"
 

@@ -32,13 +32,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from hpctrain.compose import ConfigError, load
+from hpctrain.core.compose import ConfigError, load
 from hpctrain.launch import chain, requeue as slurm_requeue
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
-from hpctrain.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
+from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
                              read_jsonl, read_outcome, write_atomic, write_jsonl)
-from hpctrain.spec import world_size
+from hpctrain.core.spec import world_size
 
 
 def say(msg: str) -> None:

@@ -7,6 +7,6 @@
     adam_kernel.py  the single-pass AdamW kernel (torch.compile; torch's fused AdamW as fallback)
 """
 from hpctrain.offload.cpu import HostAdamW, settings
-from hpctrain.offload.store import OffloadError
+from hpctrain.offload.host_state import OffloadError
 
 __all__ = ["HostAdamW", "OffloadError", "settings"]

@@ -15,7 +15,7 @@ updated weights go back to the device (asynchronous copies on a stream of their 
 with fp32 parameters the parameters are the master weights: the kernel updates them in place.
 Gradients are taken at `step()`, after the trainer clipped them in place, so clipping needs nothing
 here. Under FSDP2 (ZeRO 2/3 without tensor parallel) the parameters this optimizer sees are already
-on the host (hpctrain.parallel.data.apply_fsdp with host_params): FSDP2 moved each gradient shard there
+on the host (hpctrain.parallel.data_parallel.apply_fsdp with host_params): FSDP2 moved each gradient shard there
 as backward produced it, and no staging is needed.
 
 Checkpoints. `state[p]` holds `step`, `exp_avg`, `exp_avg_sq` (DTensors when `p` is one, so DCP
@@ -38,8 +38,8 @@ from torch.optim import Optimizer
 
 from hpctrain.offload.adam_kernel import AdamKernel
 from hpctrain.checkpoint.directio import aligned_empty, round_up
-from hpctrain.config import OffloadConfig
-from hpctrain.offload.store import Chunk, HostStore, OffloadError, standalone
+from hpctrain.core.schema import OffloadConfig
+from hpctrain.offload.host_state import Chunk, HostStore, OffloadError, standalone
 
 log = logging.getLogger("hpctrain")
 

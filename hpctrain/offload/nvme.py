@@ -30,8 +30,8 @@ import torch
 
 from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct
 from hpctrain.offload.aio import AsyncIO, Batch
-from hpctrain.disk import writable_dir_problem
-from hpctrain.offload.store import Chunk, OffloadError
+from hpctrain.core.disk import writable_dir_problem
+from hpctrain.offload.host_state import Chunk, OffloadError
 
 log = logging.getLogger("hpctrain")
 
@@ -210,7 +210,7 @@ class NvmeStore:
     def view(self, kind: str, offset: int, numel: int) -> torch.Tensor:
         """A tensor backed by the file itself (a shared memory map): reads and in-place writes go to
         the file. Valid until `release()` (the next step). Its storage starts at its first element
-        (see hpctrain.offload.store.standalone)."""
+        (see hpctrain.offload.host_state.standalone)."""
         if not numel:
             return torch.empty(0, dtype=torch.float32)
         mm = self._views.get(kind)

@@ -4,7 +4,7 @@ pipeline split -> tensor parallel -> activation checkpointing -> sequence-parall
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
 parallel, the stages the schedule drives. Every decision (which engine, dtypes, resharding, where
-parameters live, the blocks of each stage) comes from hpctrain.spec.EngineSpec.
+parameters live, the blocks of each stage) comes from hpctrain.core.spec.EngineSpec.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from hpctrain.parallel.activation import apply_ac, apply_compile
-from hpctrain.parallel.data import apply_ddp, apply_fsdp, apply_replicate
+from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
 from hpctrain.parallel.regather import apply_sp_regather
 from hpctrain.parallel.tensor import apply_tp, keep_grads_like_params
-from hpctrain.spec import EngineSpec
+from hpctrain.core.spec import EngineSpec
 
 
 @dataclass

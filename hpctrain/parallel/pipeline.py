@@ -2,7 +2,7 @@
 
 Stages keep the full model's parameter names (blocks in a ModuleDict, dropped modules set to None),
 so checkpoints load into any split. Which blocks each stage holds, and which stages each rank runs,
-is the engine spec's (hpctrain.spec.Pipeline).
+is the engine spec's (hpctrain.core.spec.Pipeline).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import copy
 
 from torch import nn
 
-from hpctrain.spec import SINGLE_STAGE
+from hpctrain.core.spec import SINGLE_STAGE
 
 # config.PipelineSchedule's values -> torch.distributed.pipelining's classes.
 SCHEDULES = {

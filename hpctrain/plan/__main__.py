@@ -40,10 +40,10 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpctrain.compose import ConfigError, compose
-    from hpctrain.plan.check import problems
-    from hpctrain.spec import world_size
-    from hpctrain.plan import report
+    from hpctrain.core.compose import ConfigError, compose
+    from hpctrain.checks.config_checks import problems
+    from hpctrain.core.spec import world_size
+    from hpctrain.plan import verdict as report
     from hpctrain.plan.memory import cluster_of, job_of
     from hpctrain.plan.search import Space, search
 

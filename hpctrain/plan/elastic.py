@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from hpctrain.compose import ConfigError
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.compose import ConfigError
+from hpctrain.core.spec import ranks_per_node
 
 
 def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optional[int]:
@@ -30,7 +30,7 @@ def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optiona
 
 def shrink(cfg: Any, nodes: int) -> tuple[Any, str]:
     """(config for `nodes` nodes, what changed); raises ConfigError when no layout fits on that many."""
-    from hpctrain.plan.check import problems
+    from hpctrain.checks.config_checks import problems
     from hpctrain.plan.login import plan_and_check
 
     p, t = cfg.parallel, cfg.train

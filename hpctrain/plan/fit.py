@@ -156,7 +156,7 @@ def auto_rows(rows: Optional[list] = None) -> list:
 
 
 def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> str:
-    from hpctrain.plan.report import describe, explain
+    from hpctrain.plan.verdict import describe, explain
 
     out = []
     for p in auto_rows(rows):
@@ -177,7 +177,7 @@ def write(fitted: dict) -> list:
     """Rewrite the fitted constants in conf/cluster/<kind>.yaml; returns the paths written."""
     import re
 
-    from hpctrain.compose import conf_dir
+    from hpctrain.core.compose import conf_dir
 
     paths = []
     for k, v in [(c, fitted[k]) for k in fitted for c in (k, *SHARES.get(k, ()))]:

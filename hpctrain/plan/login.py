@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpctrain.compose import ConfigError
+from hpctrain.core.compose import ConfigError
 
 
 def _space(for_launch: bool):
@@ -18,9 +18,9 @@ def _space(for_launch: bool):
 
 def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
     """Overrides of the fastest layout that fits (parallel=auto)."""
-    from hpctrain.spec import world_size
+    from hpctrain.core.spec import world_size
     from hpctrain.plan.memory import job_of
-    from hpctrain.plan.report import explain
+    from hpctrain.plan.verdict import explain
     from hpctrain.plan.search import overrides, search
 
     res = search(job_of(cfg), _space(for_launch), world=world_size(cfg))
@@ -31,9 +31,9 @@ def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
 
 def plan_and_check(cfg: Any, for_launch: bool):
     """The requested layout's plan; raises ConfigError when it cannot fit."""
-    from hpctrain.spec import world_size
+    from hpctrain.core.spec import world_size
     from hpctrain.plan.memory import job_of
-    from hpctrain.plan.report import describe, plan, summary
+    from hpctrain.plan.verdict import describe, plan, summary
     from hpctrain.plan.search import nearest, search
 
     job = job_of(cfg)
@@ -50,7 +50,7 @@ def plan_and_check(cfg: Any, for_launch: bool):
 
 
 def write_plan(p, run_dir: str | Path) -> Path:
-    from hpctrain.plan.report import plan_dict
+    from hpctrain.plan.verdict import plan_dict
 
     path = Path(run_dir) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,8 +61,8 @@ def write_plan(p, run_dir: str | Path) -> Path:
 def plan_one(overrides: list[str], show=None):
     """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
     ConfigError names every problem."""
-    from hpctrain.compose import compose
-    from hpctrain.plan.check import check, compose_checked
+    from hpctrain.core.compose import compose
+    from hpctrain.checks.config_checks import check, compose_checked
 
     cfg, refused = compose_checked(overrides)
     if cfg.parallel.auto and not refused:

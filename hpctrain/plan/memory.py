@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from hpctrain.config import ClusterConfig, ModelConfig
-from hpctrain.spec import EngineSpec, Layout, build, engine_spec, ranks_per_node
-from hpctrain.flops import param_counts
+from hpctrain.core.schema import ClusterConfig, ModelConfig
+from hpctrain.core.spec import EngineSpec, Layout, build, engine_spec, ranks_per_node
+from hpctrain.core.flops import param_counts
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
@@ -69,7 +69,7 @@ class Job:
 
     @cached_property
     def spec(self) -> EngineSpec:
-        """What the engine does with these knobs (hpctrain.spec): the planner prices that."""
+        """What the engine does with these knobs (hpctrain.core.spec): the planner prices that."""
         c = self.cluster
         return build(self.model, self.layout, zero=self.zero, precision=self.precision, offload=self.offload,
                      schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
@@ -79,7 +79,7 @@ class Job:
 
     @property
     def autocast(self) -> bool:
-        """hpctrain's bf16 over fp32 parameters (DDP, ZeRO-1: hpctrain.spec.dtypes), not Megatron's
+        """hpctrain's bf16 over fp32 parameters (DDP, ZeRO-1: hpctrain.core.spec.dtypes), not Megatron's
         bf16 parameters with fp32 main gradients and master weights."""
         return self.spec.dtypes.autocast and self.engine == "hpctrain"
 
@@ -193,10 +193,10 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
     parameters being their own master copy. ZeRO-1 shards the optimizer state (master + moments) over
     `shard` ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters too. Offloading moves master and
     moments to the host (cpu) or NVMe, where the host optimizer also needs the fp32 gradients.
-    `host_params` (FSDP2's CPU offload, hpctrain.spec.placement): the sharded parameters, in fp32 and
+    `host_params` (FSDP2's CPU offload, hpctrain.core.spec.placement): the sharded parameters, in fp32 and
     serving as master weights, and the sharded gradients live on the host as well; the device keeps
     only what it gathers (all of it from forward to backward with ZeRO-2, a unit at a time with ZeRO-3).
-    `autocast` (bf16 over DDP or ZeRO-1, hpctrain.spec.dtypes): the parameters stay fp32 and are their
+    `autocast` (bf16 over DDP or ZeRO-1, hpctrain.core.spec.dtypes): the parameters stay fp32 and are their
     own master copy, their gradients are fp32, and ZeRO-1 shards only the moments: 4 + 4 + 8 / shard,
     not 2 + 2 + 12 / shard (the bf16 copies autocast makes are transients, `weight_casts`).
     """
@@ -381,7 +381,7 @@ def transients(job: Job, sp: StageParams) -> dict:
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
     if job.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
-        # Under pipelining ZeRO-3 does not reshard after forward (hpctrain.spec.sharding): a block
+        # Under pipelining ZeRO-3 does not reshard after forward (hpctrain.core.spec.sharding): a block
         # gathered for a micro-batch's forward stays gathered until its backward, and a stage runs
         # every block's forward before its first backward, so the whole stage is gathered at the peak.
         out["gathered_params"] = pb * sp.total

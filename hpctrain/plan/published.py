@@ -16,12 +16,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpctrain.config import ClusterConfig, ModelConfig
-from hpctrain.flops import param_counts
+from hpctrain.core.schema import ClusterConfig, ModelConfig
+from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import Job, memory
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
                                       MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
-from hpctrain.spec import Layout
+from hpctrain.core.spec import Layout
 
 CSV = Path(__file__).with_name("published.csv")
 
@@ -127,7 +127,7 @@ def preset(kind: str) -> ClusterConfig:
     """A cluster preset of conf/cluster/ as a plain dataclass (no Hydra)."""
     from omegaconf import OmegaConf
 
-    from hpctrain.compose import conf_dir
+    from hpctrain.core.compose import conf_dir
 
     return ClusterConfig(**OmegaConf.to_container(OmegaConf.load(conf_dir() / "cluster" / f"{kind}.yaml")))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from hpctrain.plan.memory import Job, Memory, memory
-from hpctrain.spec import ZERO_STAGES, Layout, ranks_per_node
+from hpctrain.core.spec import ZERO_STAGES, Layout, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
 
 # The knobs a layout is made of; `nearest` counts how many of them differ.
@@ -88,7 +88,7 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
-    # Layers need not divide into stages (hpctrain.spec.split_layers splits them unevenly); every stage
+    # Layers need not divide into stages (hpctrain.core.spec.split_layers splits them unevenly); every stage
     # but the first and the last needs a block.
     stages = job.spec.pipeline.stages if job.spec.pipeline else 1
     if stages > m.n_layers + 2:

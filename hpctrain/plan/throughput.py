@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from hpctrain.flops import recompute_flops_per_token, train_flops_per_token
-from hpctrain.spec import ranks_per_node
+from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
+from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params, stream_bytes)
 
@@ -382,14 +382,14 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
         colls = [_coll(job, "dp", "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
     elif job.zero == 1 and sw.zero1 == "all_reduce":
-        # The parameters are fp32 (hpctrain.spec.dtypes); the broadcasts follow the optimizer step.
+        # The parameters are fp32 (hpctrain.core.spec.dtypes); the broadcasts follow the optimizer step.
         colls = [_coll(job, "dp", "all_reduce", grad, 1), _coll(job, "dp_shard", "broadcast", P * 4, 1)]
         st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
         per_mb = job.zero >= 2 and job.spec.grad_sync == "microbatch"
         rs_count = mb if per_mb else 1
         # ZeRO-3 gathers for each micro-batch's forward, and again for its backward unless it keeps the
-        # parameters gathered in between (under pipelining, hpctrain.spec.sharding).
+        # parameters gathered in between (under pipelining, hpctrain.core.spec.sharding).
         gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.zero >= 3 else 1
         # one call per unit (FSDP's per-block groups, Megatron's buckets): each pays the latency
         u = st.units

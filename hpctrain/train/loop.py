@@ -18,18 +18,18 @@ from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset
 from hpctrain.train.sampler import StepSampler
-from hpctrain.dist.mesh import build_mesh
+from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
 from hpctrain.parallel import parallelize
-from hpctrain.parallel.state import ModelState, OptimizerState
-from hpctrain.rundir import write_atomic, write_outcome
-from hpctrain.spec import EngineSpec, engine_spec
-from hpctrain import faults
+from hpctrain.parallel.stateful import ModelState, OptimizerState
+from hpctrain.core.rundir import write_atomic, write_outcome
+from hpctrain.core.spec import EngineSpec, engine_spec
+from hpctrain.core import faults
 from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
 from hpctrain.train.optim import build_optimizer
 from hpctrain.train.preempt import Preemption
 from hpctrain.train.profile import PhaseMemory, Profiler
-from hpctrain.train.state import Progress, Schedule
+from hpctrain.train.progress import Progress, Schedule
 from hpctrain.train.stragglers import Stragglers
 
 log = logging.getLogger("hpctrain")
@@ -113,7 +113,7 @@ class Trainer:
         start from model.init_from's weights where given."""
         self.resumed_from = self.ckpt.resume(warn)
         if self.resumed_from is None and self.cfg.model.init_from:
-            from hpctrain.checkpoint.hf_io import load_hf
+            from hpctrain.checkpoint.hf_weights import load_hf
 
             load_hf(self.parts, self.cfg.model.init_from, bool(self.cfg.model.tie_embeddings))
             log.info("weights from %s", self.cfg.model.init_from)

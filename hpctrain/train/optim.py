@@ -22,7 +22,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     it; the owner then broadcasts the updated parameter (its local tensor: the same tensor-parallel
     slice on every rank of the group) to the others. Gradients stay whole on every rank (ZeRO-1).
 
-    `optim` is the local optimizer, so hpctrain.parallel.state checkpoints the owned state by name;
+    `optim` is the local optimizer, so hpctrain.parallel.stateful checkpoints the owned state by name;
     the learning rate schedule drives this object's param_groups, copied to `optim` at each step."""
 
     def __init__(self, groups, optimizer_class, group, **kwargs):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.rundir import INTERRUPTIONS, read_jsonl, write_atomic
+from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl, write_atomic
 
 IDS = "trackers.json"  # {"wandb": {"id": ...}, "mlflow": {"tracking_uri": ..., "run_id": ...}}
 

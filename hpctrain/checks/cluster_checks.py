@@ -3,7 +3,7 @@
 `time_problems(cfg)` is pure. `partition_problems(cfg, sinfo_text)` is pure too; `partition_facts()`
 asks the live cluster (`sinfo`, with a timeout) and returns None where there is no sinfo or it does
 not answer, in which case the partition checks are skipped: sbatch itself refuses what is left.
-Messages name the key and a fix, like every check in `hpctrain.plan.check`.
+Messages name the key and a fix, like every check in `hpctrain.checks.config_checks`.
 """
 from __future__ import annotations
 

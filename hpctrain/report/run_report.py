@@ -10,16 +10,14 @@ interruptions and goodput.
 """
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hpctrain.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
+from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
 
 GiB = 2**30
 
@@ -286,7 +284,7 @@ def _plan_line(p: dict) -> str:
 def _goodput(run: Run) -> Optional[str]:
     if not run.attempts:
         return None
-    from hpctrain import goodput
+    from hpctrain.report import goodput
 
     try:
         return goodput.report(goodput.measure(run.dir))
@@ -312,26 +310,3 @@ def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     page = out / "report.html"
     page.write_text(render(run, images, _goodput(run)))
     return page
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path, help="a run directory, or a sweep's (it holds sweep.json)")
-    ap.add_argument("--out", type=Path, help="where report.html and the PNGs go (default: RUN_DIR/report)")
-    a = ap.parse_args(argv)
-    try:
-        if (a.run_dir / "sweep.json").is_file():  # a `python -m hpctrain -m` sweep: compare its elements
-            from hpctrain import sweep_report
-
-            page = sweep_report.write(a.run_dir, a.out)
-        else:
-            page = write(a.run_dir, a.out)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {page}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

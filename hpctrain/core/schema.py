@@ -3,7 +3,7 @@
 Every field here is a knob a user can set on the command line (`train.steps=10`). The dataclasses are
 registered in Hydra's ConfigStore as the schema of each group, so an unknown key or a wrong type is
 refused while composing, before any process starts. Checks that span several fields live in
-`hpctrain.plan.check`.
+`hpctrain.checks.config_checks`.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     # A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
-    # must agree with the model keys above (`python -m hpctrain.hf config DIR` prints them).
+    # must agree with the model keys above (`python -m hpctrain.core.hf_format config DIR` prints them).
     init_from: Optional[str] = None
 
 
@@ -90,7 +90,7 @@ class ParallelConfig:
     # interleaved_1f1b/zero_bubble with pp_virtual_stages<=2, else pp_virtual_stages; 2 for zbv and
     # dualpipev, whose rank r runs stages r and 2pp-1-r), summing to model.n_layers; e.g. [7,8,...,8,7].
     # [] = automatic: balances parameters, the embedding and output layer counted on the first and
-    # last stage (hpctrain.spec.split_layers).
+    # last stage (hpctrain.core.spec.split_layers).
     pp_layers: List[int] = field(default_factory=list)
     # When gradients are reduced under gradient accumulation: every micro-batch (ZeRO-2/3 keep only
     # sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
@@ -251,7 +251,7 @@ class KubernetesConfig:
 
 @dataclass
 class HealthConfig:
-    """The pre-flight check every start runs on every node (hpctrain.dist.health)."""
+    """The pre-flight check every start runs on every node (hpctrain.distributed.health)."""
     enabled: bool = True
     slowdown: float = 2.0  # a node whose compute kernel is this many times slower than the median is left out
 

@@ -3,7 +3,7 @@
 A checkpoint is complete or absent. Ranks write into `.tmp-step-NNNNNNNN-<nonce>/`; only after every
 rank finished and DCP wrote `.metadata`, rank 0 writes `hpctrain.json` and renames the directory to
 `step-NNNNNNNN/`. Discovery lists only such directories; a torn save stays a `.tmp-*` that the next
-save of the run sweeps away. Naming and discovery (what is complete) live in hpctrain.rundir, which
+save of the run sweeps away. Naming and discovery (what is complete) live in hpctrain.core.rundir, which
 the login node uses too.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hpctrain.rundir import (DCP_METADATA, INFO, is_complete, list_complete, list_incomplete,  # noqa: F401
+from hpctrain.core.rundir import (DCP_METADATA, INFO, is_complete, list_complete, list_incomplete,  # noqa: F401
                              read_info, step_name)
 
 TMP_PREFIX = ".tmp-step-"

@@ -1,6 +1,6 @@
 """Refuse a config that cannot run, before any process starts.
 
-The schema (hpctrain.config) already refused unknown keys, wrong types and values outside a choice's
+The schema (hpctrain.core.schema) already refused unknown keys, wrong types and values outside a choice's
 list while composing. What is left spans several fields: sizes that must divide, ranges, files that
 must exist, the cluster. Each check yields messages that name the offending keys and a fix;
 `check(cfg)` raises one ConfigError listing all of them, so a user fixes everything in one go.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-from hpctrain.compose import ConfigError, bad_choices, compose
-from hpctrain.disk import writable_dir_problem
-from hpctrain.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
+from hpctrain.core.compose import ConfigError, bad_choices, compose
+from hpctrain.core.disk import writable_dir_problem
+from hpctrain.core.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
 
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -96,7 +96,7 @@ def _cluster_k8s(cfg):
     """launcher=k8s: a pullable image, a shared volume for more than one node, valid names."""
     if cfg.launcher.name != "k8s":
         return
-    from hpctrain.plan.k8s_check import k8s_problems
+    from hpctrain.checks.k8s_checks import k8s_problems
 
     yield from k8s_problems(cfg)
 
@@ -230,7 +230,7 @@ def _init_from(cfg):
     """model.init_from: a Hugging Face Llama directory whose config.json and tensor shapes fit the
     model keys (read from headers only)."""
     if cfg.model.init_from:
-        from hpctrain.hf import problems as hf_problems
+        from hpctrain.core.hf_format import problems as hf_problems
 
         yield from hf_problems(cfg.model, cfg.model.init_from)
 
@@ -240,7 +240,7 @@ def _cluster_time(cfg):
     """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.plan.cluster_check import time_problems
+    from hpctrain.checks.cluster_checks import time_problems
 
     yield from time_problems(cfg)
 
@@ -250,7 +250,7 @@ def _cluster_script(cfg):
     """Slurm launchers: values that cannot be written into #SBATCH lines (line breaks, bad keys)."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.plan.cluster_check import script_problems
+    from hpctrain.checks.cluster_checks import script_problems
 
     yield from script_problems(cfg)
 
@@ -259,7 +259,7 @@ def _cluster_script(cfg):
 def _container(cfg):
     """cluster.container_* (pyxis): mounts pyxis can read, an image, no container with launcher=local.
     (The checkout mounted for hpctrain's code is checked where the batch script is written.)"""
-    from hpctrain.plan.cluster_check import container_problems
+    from hpctrain.checks.cluster_checks import container_problems
 
     yield from container_problems(cfg)
 
@@ -270,7 +270,7 @@ def _cluster_partition(cfg):
     Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
     if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
         return
-    from hpctrain.plan.cluster_check import partition_facts, partition_problems
+    from hpctrain.checks.cluster_checks import partition_facts, partition_problems
 
     partitions = partition_facts()
     if partitions:

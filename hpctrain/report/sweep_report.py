@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpctrain.launch.multirun import read_sweep
-from hpctrain.rundir import OUTCOME, read_jsonl
+from hpctrain.core.rundir import OUTCOME, read_jsonl
 
 
 @dataclass

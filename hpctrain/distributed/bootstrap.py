@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Optional
 
-from hpctrain.dist import hostlist
+from hpctrain.distributed import hostlist
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.spec import Layout
+from hpctrain.core.spec import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

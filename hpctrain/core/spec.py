@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Optional
 
-from hpctrain.flops import param_counts, train_flops_per_token
+from hpctrain.core.flops import param_counts, train_flops_per_token
 
 ZERO_STAGES = (0, 1, 2, 3)
 # Schedules with one stage per rank; V-shaped ones put stage s and 2p-1-s on one rank.

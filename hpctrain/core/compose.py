@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 
 def conf_dir() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the hpctrain package
     for cand in (here.parent / "conf", here / "conf"):  # checkout, then installed wheel
         if (cand / "config.yaml").is_file():
             return cand
@@ -31,7 +31,7 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from hpctrain.config import register
+    from hpctrain.core.schema import register
 
     register()
     GlobalHydra.instance().clear()
@@ -49,7 +49,7 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
     if unknown:
         raise ConfigError(_unknown_key(unknown[0]))
     if cfg.model.name == "hf":  # model=hf: the shape is the one model.init_from's config.json gives
-        from hpctrain import hf
+        from hpctrain.core import hf_format as hf
 
         if not cfg.model.init_from:
             raise ConfigError("model=hf takes the model's shape from a Hugging Face directory. "
@@ -66,7 +66,7 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
 
 def load(path: str | os.PathLike) -> DictConfig:
     """A run directory's resolved config.yaml, typed against the schema again."""
-    from hpctrain.config import Config
+    from hpctrain.core.schema import Config
 
     try:
         return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
@@ -120,7 +120,7 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
 
 def _choice_of(key: str):
     """The Choice enum a schema key takes its values from, or None."""
-    from hpctrain.config import Choice
+    from hpctrain.core.schema import Choice
 
     node = _schema_keys(key.split(".")[:-1])
     if not isinstance(node, DictConfig) or key.split(".")[-1] not in node:
@@ -171,7 +171,7 @@ def _quoted(msg: str) -> str:
 
 
 def _schema_keys(path: Sequence[str]):
-    from hpctrain.config import Config
+    from hpctrain.core.schema import Config
 
     node = OmegaConf.structured(Config)
     for part in path:
@@ -194,7 +194,7 @@ def _unknown_key(key: str) -> str:
 
 
 def _expected_type(key: str) -> str:
-    from hpctrain.config import Config
+    from hpctrain.core.schema import Config
 
     node = OmegaConf.structured(Config)
     parts = key.split(".")

@@ -11,7 +11,7 @@
 <run.dir>/interruptions.jsonl one record per interruption: cause, ranks, nodes, work lost, recovery
 
 A checkpoint is complete or absent: `checkpoints/step-NNNNNNNN/` with DCP's `.metadata` and our
-`hpctrain.json` (hpctrain.checkpoint.store writes it that way). Discovery is here, without torch,
+`hpctrain.json` (hpctrain.checkpoint.directories writes it that way). Discovery is here, without torch,
 because the login node asks too: it refuses to start over a run's checkpoints unless told to resume.
 """
 from __future__ import annotations

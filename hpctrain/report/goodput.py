@@ -1,4 +1,4 @@
-"""`python -m hpctrain.goodput <run.dir>`: how much of a run's wall time went into steps it kept.
+"""`python -m hpctrain.report.goodput <run.dir>`: how much of a run's wall time went into steps it kept.
 
 goodput = time in productive steps / wall time, where productive steps are the steps of the run as
 it finally happened (metrics.jsonl keeps one record per step; steps trained again after a restart
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpctrain.rundir import INTERRUPTIONS, read_jsonl
+from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl
 
 
 @dataclass
@@ -84,12 +84,12 @@ def report(g: Goodput) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m hpctrain.goodput <run.dir>", file=sys.stderr)
+        print("usage: python -m hpctrain.report.goodput <run.dir>", file=sys.stderr)
         return 2
     try:
         print(report(measure(argv[0])))
     except ValueError as e:
-        print(f"hpctrain.goodput: error: {e}", file=sys.stderr)
+        print(f"hpctrain.report.goodput: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hpctrain.config import ModelConfig
-from hpctrain.spec import Layout
-from hpctrain.flops import param_counts
+from hpctrain.core.schema import ModelConfig
+from hpctrain.core.spec import Layout
+from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
 from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, throughput

@@ -1,6 +1,6 @@
 """Turn a sweep directory into a verdict: a table, plots, and a conf/cluster snippet.
 
-    python -m hpctrain.bench.report <sweep dir> [--large-from 16M] [--small-below 64K] [--min-gain 0.03]
+    python -m hpctrain.report.nccl_report <sweep dir> [--large-from 16M] [--small-below 64K] [--min-gain 0.03]
 
 Reads `<sweep dir>/<setting>/results.jsonl` (written by hpctrain.bench.collectives) and
 `<sweep dir>/sweep.json` (written at submission: baseline, settings, elements), and writes:
@@ -419,7 +419,7 @@ def plot(data: SweepData, res: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.bench.report",
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.report.nccl_report",
                                  description="Table, plots and conf/cluster snippet from a collective sweep.")
     ap.add_argument("sweep_dir")
     ap.add_argument("--small-below", default="64K", help="end of the 'small' range (default 64K)")
@@ -434,10 +434,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         data = load(root)
     except FileNotFoundError as e:
-        print(f"hpctrain.bench.report: {e}", file=sys.stderr)
+        print(f"hpctrain.report.nccl_report: {e}", file=sys.stderr)
         return 2
     if not data.series:
-        print(f"hpctrain.bench.report: no results under {root} (expected <setting>/results.jsonl)"
+        print(f"hpctrain.report.nccl_report: no results under {root} (expected <setting>/results.jsonl)"
               + ("".join(f"\n  {s} on {n} node(s): {why}" for s, n, why in data.failed)), file=sys.stderr)
         return 1
     res = analyse(data, parse_size(a.small_below), parse_size(a.large_from), a.min_gain)
@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             plots = plot(data, res, root / "plots")
         except ImportError:
-            print("hpctrain.bench.report: matplotlib is not installed: no plots (pip install matplotlib, or "
+            print("hpctrain.report.nccl_report: matplotlib is not installed: no plots (pip install matplotlib, or "
                   "pip install 'hpctrain[dev]')", file=sys.stderr)
     md = markdown(data, res)
     (root / "report.md").write_text(md)

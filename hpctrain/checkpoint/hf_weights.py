@@ -1,4 +1,4 @@
-"""Weights in and out of the Hugging Face Llama format (names and shapes in hpctrain.hf).
+"""Weights in and out of the Hugging Face Llama format (names and shapes in hpctrain.core.hf_format).
 
 In: `load_hf(parts, path)` fills this rank's parameters (any layout: FSDP2, TP, PP shards, offloaded)
 from a directory of safetensors files with DCP's HuggingFaceStorageReader: every rank plans its reads
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain import hf
+from hpctrain.core import hf_format as hf
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +64,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
-    from hpctrain.rundir import read_info
+    from hpctrain.core.rundir import read_info
 
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     md = read_metadata(step_dir)
@@ -72,7 +72,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     info = read_info(step_dir)
     from omegaconf import OmegaConf
 
-    from hpctrain.config import ModelConfig
+    from hpctrain.core.schema import ModelConfig
 
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), info["config"]["model"])
     seq_len = info["config"]["data"]["seq_len"]

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain import faults
+from hpctrain.core import faults
 
 log = logging.getLogger("hpctrain")
 

@@ -1,6 +1,6 @@
 """launcher=k8s input that Kubernetes (or the pods) would refuse late, refused on the login node.
 
-`k8s_problems(cfg, run_dir)` is pure, like the Slurm checks in hpctrain.plan.cluster_check: an image
+`k8s_problems(cfg, run_dir)` is pure, like the Slurm checks in hpctrain.checks.cluster_checks: an image
 Kubernetes can pull, a shared volume for more than one node, a run directory the pods see at the same
 absolute path, names Kubernetes takes. `object_name(run.name)` is the rule that names a run's objects,
 shared with hpctrain.launch.k8s (which writes them). Messages name the key and a fix.
@@ -12,7 +12,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Any, Optional
 
-from hpctrain.plan.cluster_check import env_name_problems
+from hpctrain.checks.cluster_checks import env_name_problems
 
 NAME_MAX = 50  # the pods' hostnames are <name>-<index>: a DNS label (63) with room for the index
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -54,7 +54,7 @@ def gib_quantity(gb: float) -> str:
 
 def k8s_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
     """What a Job of this config could not run with, refused on the login node: messages that name
-    the key and the fix, like every check in hpctrain.plan.check."""
+    the key and the fix, like every check in hpctrain.checks.config_checks."""
     out = []
     c, k = cfg.cluster, cfg.launcher.k8s
     image = c.container_image

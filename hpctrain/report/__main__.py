@@ -1,0 +1,31 @@
+"""`python -m hpctrain.report DIR [--out OUT]`: the report of a run directory, or of a sweep's directory
+(it holds sweep.json) comparing its elements."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from hpctrain.report import run_report, sweep_report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description=run_report.__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a run directory, or a sweep's (it holds sweep.json)")
+    ap.add_argument("--out", type=Path, help="where report.html and the PNGs go (default: RUN_DIR/report)")
+    a = ap.parse_args(argv)
+    try:
+        if (a.run_dir / "sweep.json").is_file():  # a `python -m hpctrain -m` sweep: compare its elements
+            page = sweep_report.write(a.run_dir, a.out)
+        else:
+            page = run_report.write(a.run_dir, a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
