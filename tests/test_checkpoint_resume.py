@@ -124,7 +124,7 @@ def test_kill9_mid_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
 
 
 def test_async_saves_complete_and_do_not_change_the_run(tmp_path, uninterrupted):
-    run_cli(*COMMON, "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.async=true", f"run.dir={tmp_path}")
+    run_cli(*COMMON, "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.async_save=true", f"run.dir={tmp_path}")
     assert losses(tmp_path) == uninterrupted["fsdp"]
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step-00000010", "step-00000012"]  # the last save waited for, older ones pruned

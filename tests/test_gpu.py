@@ -82,7 +82,7 @@ def test_nvme_offload_steps(tmp_path):
 
 
 def test_async_checkpoint_from_device_resumes_bit_for_bit(tmp_path):
-    common = ("+experiment=tiny", *GPU, "train.steps=6", "checkpoint.every=3", "checkpoint.async=true",
+    common = ("+experiment=tiny", *GPU, "train.steps=6", "checkpoint.every=3", "checkpoint.async_save=true",
               f"run.dir={tmp_path}")
     run_cli(*common, timeout=600)
     whole = losses(tmp_path)

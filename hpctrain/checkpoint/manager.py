@@ -111,7 +111,7 @@ class CheckpointManager:
         """Every `checkpoint.every` steps, before the last (the end of a run is saved by finish)."""
         every = self.cfg.every
         if every and step % every == 0 and step < self.total_steps:
-            self.save(step, blocking=not self.cfg["async"])
+            self.save(step, blocking=not self.cfg.async_save)
 
     def finish(self, step: int) -> None:
         """The end of a completed run is always kept when saving is on."""

@@ -18,6 +18,19 @@ class ConfigError(ValueError):
     """A config that must not start: the message says what is wrong and how to fix it."""
 
 
+# Keys that were renamed: old -> new. The old one is refused with the new one as the fix.
+RENAMED = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def _renamed(overrides: Sequence[str]) -> list[str]:
+    out = []
+    for ov in overrides:
+        key, eq, value = ov.lstrip("+~").partition("=")
+        if key in RENAMED:
+            out.append(f"{key} is now {RENAMED[key]}. Fix: {RENAMED[key]}{eq}{value}")
+    return out
+
+
 def conf_dir() -> Path:
     here = Path(__file__).resolve().parent.parent  # the hpctrain package
     for cand in (here.parent / "conf", here / "conf"):  # checkout, then installed wheel
@@ -33,6 +46,9 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
 
     from hpctrain.core.schema import register
 
+    renamed = _renamed(overrides)
+    if renamed:
+        raise ConfigError("\n".join(renamed))
     register()
     GlobalHydra.instance().clear()
     try:

@@ -155,24 +155,17 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
 
 
-def _checkpoint_config() -> type:
-    # The user-facing key is `checkpoint.async`, a Python keyword: dataclass() can hold such a field
-    # only without the generated __init__/__repr__/__eq__, which OmegaConf never calls.
-    fields = {
-        "every": (int, 0),  # steps between saves; 0 = only when preempted
-        "keep": (int, 3),  # complete checkpoints kept, newest first
-        "async": (bool, False),  # stage to host memory, write in the background
-        "resume": (bool, True),  # resume from the newest complete checkpoint in run.dir
-        "load_step": (Optional[int], None),  # resume from this step instead of the newest
-        "threads": (int, 8),  # writer threads per rank: one is far from the disk's bandwidth
-    }
-    ns = {"__annotations__": {k: t for k, (t, _) in fields.items()}}
-    ns.update({k: v for k, (_, v) in fields.items()})
-    ns["__doc__"] = "Sharded checkpoints: when to save, how many to keep, where to resume."
-    return dataclass(init=False, repr=False, eq=False)(type("CheckpointConfig", (), ns))
-
-
-CheckpointConfig = _checkpoint_config()
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints: when to save, how many to keep, where to resume."""
+    every: int = 0  # steps between saves; 0 = only when preempted
+    keep: int = 3  # complete checkpoints kept, newest first
+    # Stage to host memory, write in the background (was `checkpoint.async`, a Python keyword that kept
+    # the schema from being a plain dataclass).
+    async_save: bool = False
+    resume: bool = True  # resume from the newest complete checkpoint in run.dir
+    load_step: Optional[int] = None  # resume from this step instead of the newest
+    threads: int = 8  # writer threads per rank: one is far from the disk's bandwidth
 
 
 @dataclass

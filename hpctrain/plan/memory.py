@@ -131,7 +131,7 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
                schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, pp_layers=tuple(p.pp_layers),
                offload=cfg.offload.target,
-               async_checkpoint=bool(cfg.checkpoint["async"]), grad_sync=str(p.grad_sync), compile=bool(t.compile),
+               async_checkpoint=bool(cfg.checkpoint.async_save), grad_sync=str(p.grad_sync), compile=bool(t.compile),
                sp_regather=bool(p.sp_regather))
 
 
