@@ -1,4 +1,4 @@
-"""The README's "Real text and Hugging Face weights" commands, as written there, with fewer steps:
+"""The README's "Train on your own text" commands, as written there, with fewer steps:
 prepare the example corpus, train with validation, export, load in transformers and generate."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def readme_block(section: str) -> str:
 
 
 def test_real_text_to_transformers_end_to_end(tmp_path):
-    script = readme_block("Real text and Hugging Face weights")
+    script = readme_block("Train on your own text")
     for old, new in [("data/example", str(tmp_path / "example")), ("outputs/text", str(tmp_path / "text")),
                      ("train.steps=300", "train.steps=40"), ("checkpoint.every=100", "checkpoint.every=40"),
                      ("eval.every=50", "eval.every=10"), ("step-00000300", "step-00000040")]:
