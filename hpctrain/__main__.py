@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import sys
 
-from omegaconf import OmegaConf
 
-from hpctrain.core.compose import ConfigError
+from hpctrain.core.compose import ConfigError, to_yaml
 from hpctrain.checks.config_checks import check, compose_checked
 from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.verdict import summary as plan_summary
 from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
 from hpctrain.core.spec import engine_spec
+from hpctrain.core.schema import Config
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
+       python -m hpctrain -m [key=a,b ...] [group=x,y ...]
 
+Composes conf/ with the overrides, checks the config, plans it (<run.dir>/plan.json), then starts or
+submits the run.
+
+most used overrides:
   +experiment=tiny      the embedded default: a tiny Llama on 2 local CPU processes
   +experiment=70b       Llama 3 70B on a Slurm cluster
   train.steps=N run.dir=PATH launcher=local launcher.nproc=N dry_run=true
@@ -25,10 +30,29 @@ USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experi
   parallel=auto         the fastest layout the planner finds that fits
   checkpoint.every=N checkpoint.keep=N
   --cfg                 print the composed config and exit
+
+sweeps (-m, --multirun): one run per combination of the comma-separated values, each in its own
+directory under run.dir; one Slurm job array under launcher=slurm
+  python -m hpctrain -m +experiment=tiny optim.lr=1e-3,3e-3
+
+config groups (conf/GROUP/PRESET.yaml; pick one with GROUP=PRESET):
+{groups}
+
+other commands:
+  python -m hpctrain.report RUN_DIR              report.html and plots of a run, or comparing a sweep's runs
+  python -m hpctrain.report.goodput RUN_DIR      how much of a run's wall time went into steps it kept
+  python -m hpctrain.plan [overrides ...]        price the layout asked for, then list the fastest that fit
+  python -m hpctrain.checkpoint export|list ...  export a checkpoint (a file, or --format hf), list a run's checkpoints
+  python -m hpctrain.data.prepare SRC OUT ...    tokenize a corpus into token shards (data.path)
+  python -m hpctrain.data.example OUT            a small real corpus and its tokenizer, built here, no download
+  python -m hpctrain.bench.sweep ...             NCCL (or any) env settings x node counts as one Slurm job array
+  python -m hpctrain.report.nccl_report SWEEP_DIR  a collective sweep's verdict: table, plots, conf/cluster snippet
+
+every key with its type, default, allowed values and meaning: docs/config.md
 """
 
 
-def summary(cfg) -> str:
+def summary(cfg: Config) -> str:
     spec = engine_spec(cfg)
     params, lay = spec.params, spec.layout
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -43,7 +67,9 @@ def summary(cfg) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
+        from hpctrain.core.reference import groups_help  # conf/'s folders and files, read now
+
+        print(USAGE.replace("{groups}", groups_help()))
         return 0
     if any(a in ("-m", "--multirun") for a in argv):
         from hpctrain.launch.multirun import multirun
@@ -55,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if show_cfg:
             cfg, refused = compose_checked(overrides)
             if not refused:
-                print(OmegaConf.to_yaml(cfg), end="")
+                print(to_yaml(cfg), end="")
                 return 0
             check(cfg, refused)
         cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
@@ -84,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     return launch(cfg, run_dir)
 
 
-def launch(cfg, run_dir) -> int:
+def launch(cfg: Config, run_dir) -> int:
     """Start (local) or submit (Slurm) one prepared run directory."""
     if cfg.launcher.name == "local":
         from hpctrain.launch.supervise import supervise

@@ -48,166 +48,265 @@ Device = _choice("Device", "cpu cuda")
 
 @dataclass
 class ModelConfig:
+    """The Llama model: its shape, RoPE and initialization, or a Hugging Face model to start from
+    (the `model` group)."""
+
     name: str = "tiny"
+    """The model's name in summaries and plans. `hf` (model=hf) reads every shape key below from
+    model.init_from's config.json while composing."""
     dim: int = 128
+    """Hidden (embedding) dimension; divisible by n_heads, with an even head dimension dim / n_heads."""
     n_layers: int = 2
+    """Transformer blocks."""
     n_heads: int = 4
+    """Attention (query) heads."""
     n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); n_heads must be a multiple of it."""
     ffn_dim: int = 384
+    """Hidden dimension of each block's SwiGLU feed-forward layer."""
     vocab_size: int = 256
+    """Vocabulary size: rows of the token embedding and of the output layer."""
     norm_eps: float = 1e-5
+    """Epsilon of the RMSNorm layers."""
     rope_theta: float = 500000.0
+    """RoPE base frequency."""
     tie_embeddings: bool = False
+    """One matrix for the token embedding and the output layer (Llama 3.2 1B); not with pipeline
+    parallel (parallel.pp=1)."""
     init_std: float = 0.02
-    # Llama 3.1 RoPE scaling: factor (0 = off), low/high frequency factors, original context length.
+    """Standard deviation of the truncated-normal initialization of the linear weights (wo and w2, the
+    residual-branch outputs: init_std / sqrt(2 n_layers)), and of the embedding when tied (else 1.0)."""
     rope_scaling: float = 0.0
+    """Llama 3.1 RoPE scaling: the factor; 0 = off."""
     rope_low_freq_factor: float = 1.0
+    """Llama 3.1 RoPE scaling: the low frequency factor."""
     rope_high_freq_factor: float = 4.0
+    """Llama 3.1 RoPE scaling: the high frequency factor."""
     rope_original_max_seq_len: int = 8192
-    # A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
-    # must agree with the model keys above (`python -m hpctrain.core.hf_format config DIR` prints them).
+    """Llama 3.1 RoPE scaling: the original context length."""
     init_from: Optional[str] = None
+    """A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
+    must agree with the model keys above (`python -m hpctrain.core.hf_format config DIR` prints them)."""
 
 
 @dataclass
 class ParallelConfig:
-    # parallel=auto: the planner picks every knob below (layout, ZeRO stage, checkpointing, micro-batch).
+    """The layout: data, tensor and pipeline parallel degrees, ZeRO stage, activation checkpointing
+    (the `parallel` group: fsdp, ddp, auto)."""
+
     auto: bool = False
-    # pp x dp_replicate x dp_shard x tp must equal the world size; -1 for dp_shard means "the rest".
+    """parallel=auto: the planner picks every knob below (layout, ZeRO stage, checkpointing, micro-batch)."""
     dp_replicate: int = 1
+    """Data-parallel replicas (HSDP's replicate dimension; >1 needs parallel.zero=2 or 3).
+    pp x dp_replicate x dp_shard x tp must equal the world size."""
     dp_shard: int = -1
+    """Data-parallel ranks the model state is sharded over (ZeRO); -1 means "the rest": the world
+    size over pp x dp_replicate x tp. pp x dp_replicate x dp_shard x tp must equal the world size."""
     tp: int = 1
+    """Tensor-parallel degree. pp x dp_replicate x dp_shard x tp must equal the world size."""
     pp: int = 1
-    # 0 = DDP (replicated), 3 = FSDP2 (parameters, gradients and optimizer state sharded).
+    """Pipeline-parallel degree. pp x dp_replicate x dp_shard x tp must equal the world size."""
     zero: int = 3
-    # Activation checkpointing: none | full | selective (every `ac_every`-th block).
+    """ZeRO stage: 0 = DDP (replicated), 1 = optimizer state sharded, 2 = gradients and optimizer
+    state sharded, 3 = FSDP2 (parameters, gradients and optimizer state sharded)."""
     ac: AC = AC("none")
+    """Activation checkpointing: none | full | selective (every `ac_every`-th block)."""
     ac_every: int = 2
-    # Micro-batches per step come from train.global_batch / data-parallel ranks / train.micro_batch.
+    """With ac=selective: checkpoint every ac_every-th block of each stage, starting with its first."""
     pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
+    """Pipeline schedule. Micro-batches per step come from train.global_batch / data-parallel ranks /
+    train.micro_batch."""
     pp_virtual_stages: int = 1
-    # Blocks of each pipeline stage in model order, one entry per stage (pp x stages per rank: 2 for
-    # interleaved_1f1b/zero_bubble with pp_virtual_stages<=2, else pp_virtual_stages; 2 for zbv and
-    # dualpipev, whose rank r runs stages r and 2pp-1-r), summing to model.n_layers; e.g. [7,8,...,8,7].
-    # [] = automatic: balances parameters, the embedding and output layer counted on the first and
-    # last stage (hpctrain.core.spec.split_layers).
+    """Pipeline stages per rank for interleaved_1f1b and zero_bubble (at least 2); gpipe and 1f1b
+    run one, zbv and dualpipev two."""
     pp_layers: List[int] = field(default_factory=list)
-    # When gradients are reduced under gradient accumulation: every micro-batch (ZeRO-2/3 keep only
-    # sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
-    # unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise
-    # and with pipelining (torch's pipeline stages sync on the last backward).
+    """Blocks of each pipeline stage in model order, one entry per stage (pp x stages per rank: 2 for
+    interleaved_1f1b/zero_bubble with pp_virtual_stages<=2, else pp_virtual_stages; 2 for zbv and
+    dualpipev, whose rank r runs stages r and 2pp-1-r), summing to model.n_layers; e.g. [7,8,...,8,7].
+    [] = automatic: balances parameters, the embedding and output layer counted on the first and
+    last stage (hpctrain.core.spec.split_layers)."""
     grad_sync: GradSync = GradSync("auto")
-    # With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
-    # gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead
-    # of keeping the gathered tensor for backward: 2 x tokens x dim x (tp-1)/tp fewer elements per block
-    # and micro-batch, 2 more all-gathers per block in backward. Not under train.compile.
+    """When gradients are reduced under gradient accumulation: every micro-batch (ZeRO-2/3 keep only
+    sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
+    unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise
+    and with pipelining (torch's pipeline stages sync on the last backward)."""
     sp_regather: bool = True
+    """With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
+    gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead
+    of keeping the gathered tensor for backward: 2 x tokens x dim x (tp-1)/tp fewer elements per block
+    and micro-batch, 2 more all-gathers per block in backward. Not under train.compile."""
 
 
 @dataclass
 class OptimConfig:
+    """AdamW with linear warmup and cosine decay to min_lr_ratio x lr (the `optim` group)."""
+
     name: OptimName = OptimName("adamw")
+    """The optimizer."""
     lr: float = 1e-3
+    """Peak learning rate, reached at the end of the warmup."""
     min_lr_ratio: float = 0.1
+    """The cosine decay ends at min_lr_ratio x lr on the last step; in [0, 1]."""
     warmup_steps: int = 10
+    """Optimizer steps of linear warmup from lr / warmup_steps to lr."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on parameters of two or more dimensions (norms get none)."""
     beta1: float = 0.9
+    """Adam's first-moment decay."""
     beta2: float = 0.95
+    """Adam's second-moment decay."""
     eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    # auto: fused on CPU and CUDA when every parameter is a plain tensor or DTensor of one kind.
+    """Adam's epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
     impl: OptimImpl = OptimImpl("auto")
+    """torch's AdamW implementation. auto: fused on CPU and CUDA when every parameter is a plain
+    tensor or DTensor of one kind."""
 
 
 @dataclass
 class SourceConfig:
-    path: str = "???"  # a directory made by `python -m hpctrain.data.prepare`
-    weight: float = 1.0  # relative share of the training stream
+    """One source of a data mixture (data.sources)."""
+
+    path: str = "???"
+    """A directory made by `python -m hpctrain.data.prepare`."""
+    weight: float = 1.0
+    """Relative share of the training stream."""
 
 
 @dataclass
 class DataConfig:
+    """Training data: generated, or token shards from `python -m hpctrain.data.prepare` (the `data`
+    group: synthetic, shards)."""
+
     source: DataSource = DataSource("synthetic")
-    path: Optional[str] = None  # directory made by `python -m hpctrain.data.prepare`
-    # A mixture instead of one path: data.sources='[{path: A, weight: 3}, {path: B, weight: 1}]'.
-    # Every source must come from the same tokenizer; validation mixes their val splits alike.
+    """synthetic: sequences generated on the fly, no files; shards: data.path or data.sources."""
+    path: Optional[str] = None
+    """Directory made by `python -m hpctrain.data.prepare` (data.source=shards)."""
     sources: List[SourceConfig] = field(default_factory=list)
+    """A mixture instead of one path: data.sources='[{path: A, weight: 3}, {path: B, weight: 1}]'.
+    Every source must come from the same tokenizer; validation mixes their val splits alike."""
     seq_len: int = 64
+    """Tokens per training sequence."""
     seed: int = 1234
+    """Seed of the sample order (shuffled anew each epoch), the mixture's draws and the synthetic data."""
 
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # validation loss every N steps and after the last one; 0 = never
-    batches: int = 4  # global batches (train.global_batch sequences each) of the validation split per evaluation
+    """Validation loss on the data's validation split."""
+
+    every: int = 0
+    """Validation loss every N steps and after the last one; 0 = never."""
+    batches: int = 4
+    """Global batches (train.global_batch sequences each) of the validation split per evaluation."""
 
 
 @dataclass
 class TrainConfig:
+    """The training loop: steps, batch sizes, precision."""
+
     steps: int = 100
-    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch: int = 4  # sequences per forward/backward on one rank
+    """Optimizer steps to train."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch: int = 4
+    """Sequences per forward/backward on one rank."""
     seed: int = 0
-    # fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32.
+    """Seed of the initial weights (the same model whatever the layout)."""
     precision: Precision = Precision("fp32")
+    """fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32."""
     log_every: int = 1
+    """Log the step's metrics (metrics.jsonl, the console, trackers) every N steps; the last step and
+    steps with a validation loss are always logged."""
     compile: bool = False
-    threads: int = 0  # torch intra-op threads per rank; 0 = cores / local ranks
+    """torch.compile each transformer block."""
+    threads: int = 0
+    """Torch intra-op threads per rank; 0 = cores / local ranks."""
 
 
 @dataclass
 class CheckpointConfig:
     """Sharded checkpoints: when to save, how many to keep, where to resume."""
-    every: int = 0  # steps between saves; 0 = only when preempted
-    keep: int = 3  # complete checkpoints kept, newest first
-    # Stage to host memory, write in the background (was `checkpoint.async`, a Python keyword that kept
-    # the schema from being a plain dataclass).
+    every: int = 0
+    """Steps between saves; 0 = only when preempted."""
+    keep: int = 3
+    """Complete checkpoints kept, newest first."""
+    # Was `checkpoint.async`, a Python keyword that kept the schema from being a plain dataclass.
     async_save: bool = False
-    resume: bool = True  # resume from the newest complete checkpoint in run.dir
-    load_step: Optional[int] = None  # resume from this step instead of the newest
-    threads: int = 8  # writer threads per rank: one is far from the disk's bandwidth
+    """Stage to host memory, write in the background (was `checkpoint.async`)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in run.dir."""
+    load_step: Optional[int] = None
+    """Resume from this step instead of the newest."""
+    threads: int = 8
+    """Writer threads per rank: one is far from the disk's bandwidth."""
 
 
 @dataclass
 class OffloadConfig:
+    """Optimizer state in host memory or on NVMe, the AdamW step on the CPU (the `offload` group:
+    none, cpu, nvme)."""
+
     target: OffloadTarget = OffloadTarget("none")
-    # nvme: an existing, writable directory on a fast local disk; each rank keeps its optimizer state
-    # there in files that are reserved at start and vanish when the run ends (hpctrain.offload.nvme).
+    """Where the optimizer state lives: none (with the parameters), cpu (host memory) or nvme (files
+    under offload.path)."""
     path: Optional[str] = None
-    kernel: OffloadKernel = OffloadKernel("auto")  # host AdamW step: auto = cpp, else compile, else fused
-    pin_memory: bool = True  # page-locked host buffers, where an accelerator exists
-    # nvme streaming: each state tensor goes through host memory in chunks of chunk_mb MiB, using
-    # buffer_count buffer sets (>= 2: reads run ahead and writes behind the update), with queue_depth
-    # requests of block_mb MiB in flight.
+    """nvme: an existing, writable directory on a fast local disk; each rank keeps its optimizer state
+    there in files that are reserved at start and vanish when the run ends (hpctrain.offload.nvme)."""
+    kernel: OffloadKernel = OffloadKernel("auto")
+    """Host AdamW step: auto = cpp, else compile, else fused."""
+    pin_memory: bool = True
+    """Page-locked host buffers, where an accelerator exists."""
     chunk_mb: int = 64
+    """nvme streaming: each state tensor goes through host memory in chunks of chunk_mb MiB."""
     buffer_count: int = 4
+    """nvme streaming: buffer sets (>= 2: reads run ahead and writes behind the update)."""
     queue_depth: int = 8
+    """nvme streaming: requests (of block_mb MiB each) in flight."""
     block_mb: int = 8
-    direct_io: bool = True  # O_DIRECT (bypass the page cache) where the file system allows it
-    # nvme: stream the fp32 master weights through the files too, where they are kept apart from the
-    # parameters (an accelerator, or bf16/fp16 parameters); otherwise they stay in host memory.
+    """nvme streaming: MiB per request (queue_depth of them in flight)."""
+    direct_io: bool = True
+    """O_DIRECT (bypass the page cache) where the file system allows it."""
     master_on_nvme: bool = False
+    """nvme: stream the fp32 master weights through the files too, where they are kept apart from the
+    parameters (an accelerator, or bf16/fp16 parameters); otherwise they stay in host memory."""
 
 
 @dataclass
 class TensorBoardLogger:
-    enabled: bool = False  # events in <run.dir>/tensorboard
+    """logger=tensorboard."""
+
+    enabled: bool = False
+    """Events in <run.dir>/tensorboard."""
 
 
 @dataclass
 class WandbLogger:
+    """logger=wandb: Weights & Biases."""
+
     enabled: bool = False
+    """Log to Weights & Biases."""
     project: str = "hpctrain"
+    """The W&B project."""
     entity: Optional[str] = None
-    mode: WandbMode = WandbMode("offline")  # offline: <run.dir>/wandb, synced later with `wandb sync`
+    """The W&B entity (user or team); None = the account's default."""
+    mode: WandbMode = WandbMode("offline")
+    """offline: <run.dir>/wandb, synced later with `wandb sync`."""
     tags: List[str] = field(default_factory=list)
+    """Tags of the W&B run."""
 
 
 @dataclass
 class MLflowLogger:
+    """logger=mlflow."""
+
     enabled: bool = False
-    tracking_uri: Optional[str] = None  # None: a local file store in <run.dir>/mlruns
+    """Log to MLflow."""
+    tracking_uri: Optional[str] = None
+    """None: a local file store in <run.dir>/mlruns."""
     experiment: str = "hpctrain"
+    """The MLflow experiment the run is logged under (created if missing)."""
 
 
 @dataclass
@@ -216,132 +315,223 @@ class LoggerConfig:
     several at once with `logger=[tensorboard,wandb,mlflow]`. Rank 0 feeds them; a tracker that
     fails logs a warning and is dropped, training goes on."""
     tensorboard: TensorBoardLogger = field(default_factory=TensorBoardLogger)
+    """TensorBoard (logger=tensorboard)."""
     wandb: WandbLogger = field(default_factory=WandbLogger)
+    """Weights & Biases (logger=wandb)."""
     mlflow: MLflowLogger = field(default_factory=MLflowLogger)
+    """MLflow (logger=mlflow)."""
 
 
 @dataclass
 class ProfileConfig:
     """Off by default, and then free."""
-    # [first, last]: a torch.profiler Chrome trace per rank of these optimizer steps (1-based,
-    # inclusive) in <run.dir>/profile/; [] = none.
     steps: List[int] = field(default_factory=list)
-    memory: bool = False  # peak memory per phase (forward, backward, optimizer, checkpoint) in metrics
+    """[first, last]: a torch.profiler Chrome trace per rank of these optimizer steps (1-based,
+    inclusive) in <run.dir>/profile/; [] = none."""
+    memory: bool = False
+    """Peak memory per phase (forward, backward, optimizer, checkpoint) in metrics."""
 
 
 @dataclass
 class KubernetesConfig:
     """launcher=k8s: <run.dir>/k8s.yaml for `kubectl apply -f` (hpctrain.launch.k8s)."""
     namespace: str = "default"
-    # PersistentVolumeClaim mounted at run.dir's parent in every pod (the run directory must be
-    # shared by all nodes, as on Slurm); None = an emptyDir, for a single node only.
+    """The Kubernetes namespace of the Job and its Service."""
     volume_claim: Optional[str] = None
-    shm_gb: float = 64.0  # /dev/shm for the data loaders and NCCL
+    """PersistentVolumeClaim mounted at run.dir's parent in every pod (the run directory must be
+    shared by all nodes, as on Slurm); None = an emptyDir, for a single node only."""
+    shm_gb: float = 64.0
+    """/dev/shm for the data loaders and NCCL."""
     service_account: Optional[str] = None
+    """The pods' service account (serviceAccountName); None = the namespace's default."""
     node_selector: dict = field(default_factory=dict)
-    port: int = 29500  # rendezvous port on the first pod
+    """The pods' nodeSelector: node label -> value (`+launcher.k8s.node_selector.KEY=VALUE`)."""
+    port: int = 29500
+    """Rendezvous port on the first pod."""
 
 
 @dataclass
 class HealthConfig:
     """The pre-flight check every start runs on every node (hpctrain.distributed.health)."""
     enabled: bool = True
-    slowdown: float = 2.0  # a node whose compute kernel is this many times slower than the median is left out
+    """Run the check."""
+    slowdown: float = 2.0
+    """A node whose compute kernel is this many times slower than the median is left out."""
 
 
 @dataclass
 class LauncherConfig:
+    """How ranks start: here, through Slurm, as a batch script, or on Kubernetes; what happens when
+    they fail (the `launcher` group: local, slurm, sbatch, k8s)."""
+
     name: LauncherName = LauncherName("local")
-    nproc: int = 2  # ranks the local launcher starts
+    """local: launcher.nproc ranks on this machine; slurm: submit through submitit; sbatch: write a
+    batch script to submit; k8s: write a Kubernetes manifest."""
+    nproc: int = 2
+    """Ranks the local launcher starts."""
     backend: Backend = Backend("auto")
-    timeout_s: int = 300  # collective timeout
-    # Unplanned failures (hpctrain.launch.supervise): when a rank crashes, hangs or a node is lost,
-    # every rank stops and the run starts again from the newest complete checkpoint, at most this
-    # many times (a failure that repeats itself exactly stops at once).
+    """Collective backend; auto: nccl where the cluster's device is cuda and CUDA is present, else gloo."""
+    timeout_s: int = 300
+    """Collective timeout."""
     max_restarts: int = 3
-    hang_timeout_s: float = 0.0  # no progress for this long is a hang; 0 = max(60 s, 10x the median step)
+    """Unplanned failures (hpctrain.launch.supervise): when a rank crashes, hangs or a node is lost,
+    every rank stops and the run starts again from the newest complete checkpoint, at most this
+    many times (a failure that repeats itself exactly stops at once)."""
+    hang_timeout_s: float = 0.0
+    """No progress for this long is a hang; 0 = max(60 s, 10x the median step)."""
     health: HealthConfig = field(default_factory=HealthConfig)
-    min_nodes: int = 1  # after losing nodes, go on with at least this many; with fewer, requeue without them
-    straggler_ratio: float = 1.5  # a rank this many times slower than the median rank, ...
-    straggler_steps: int = 5  # ... for this many logged steps in a row, is named in a warning
-    # launcher=slurm|sbatch: submit N jobs, each starting after the previous ends (afterany), for
-    # clusters whose time limit is shorter than the run; each resumes from the newest checkpoint.
+    """The pre-flight node health check."""
+    min_nodes: int = 1
+    """After losing nodes, go on with at least this many; with fewer, requeue without them."""
+    straggler_ratio: float = 1.5
+    """A rank this many times slower than the median rank, for launcher.straggler_steps logged steps
+    in a row, is named in a warning."""
+    straggler_steps: int = 5
+    """A rank launcher.straggler_ratio times slower than the median rank for this many logged steps in
+    a row is named in a warning."""
     chain: int = 1
-    array_parallelism: int = 0  # `-m` sweeps as a Slurm job array: at most this many at once; 0 = no bound
+    """launcher=slurm|sbatch: submit N jobs, each starting after the previous ends (afterany), for
+    clusters whose time limit is shorter than the run; each resumes from the newest checkpoint."""
+    array_parallelism: int = 0
+    """`-m` sweeps as a Slurm job array: at most this many at once; 0 = no bound."""
     k8s: KubernetesConfig = field(default_factory=KubernetesConfig)
+    """launcher=k8s settings."""
 
 
 @dataclass
 class ClusterConfig:
+    """The machines: the device, the figures the planner (hpctrain.plan) prices a step with, the Slurm
+    allocation and the container (the `cluster` group). Planner defaults describe a 2-core cloud VM
+    (docs/measurements.md); conf/cluster/{a100,h100,h200}.yaml give datacenter figures. GB = 1e9 bytes
+    except the *_mem_gb capacities, which are GiB as nvidia-smi and free report them."""
+
     name: str = "cpu"
+    """The cluster's name, shown in plans."""
     device: Device = Device("cpu")
-    # Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU.
+    """The device every rank trains on."""
     peak_tflops: float = 0.1
+    """Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU."""
     device_mem_gb: float = 16.0
+    """Memory of one device, GiB (the planner's limit per rank)."""
     host_mem_gb: float = 16.0
-    # What the planner (hpctrain.plan) prices a step with. Defaults describe a 2-core cloud VM
-    # (docs/measurements.md); conf/cluster/{a100,h100,h200}.yaml give datacenter figures. GB = 1e9 bytes except
-    # the *_mem_gb capacities, which are GiB as nvidia-smi and free report them.
-    hbm_gbps: float = 30.0  # device memory bandwidth (elementwise kernels, optimizer step)
-    matmul_efficiency: float = 0.5  # fraction of peak_tflops a large GEMM sustains
-    attention_efficiency: float = 0.3  # fused attention: fraction of peak on the FLOPs it performs
-    intra_node_gbps: float = 5.0  # collective bus bandwidth (nccl-tests busbw) inside a node
-    intra_node_latency_us: float = 50.0  # per collective step inside a node
-    inter_node_gbps: float = 1.2  # bus bandwidth one NIC sustains between nodes
-    inter_node_latency_us: float = 100.0  # per collective step across nodes
+    """Host memory per node, GiB (the planner's limit for offloaded state)."""
+    hbm_gbps: float = 30.0
+    """Planner: device memory bandwidth (elementwise kernels, optimizer step)."""
+    matmul_efficiency: float = 0.5
+    """Planner: fraction of peak_tflops a large GEMM sustains."""
+    attention_efficiency: float = 0.3
+    """Planner: fused attention: fraction of peak on the FLOPs it performs."""
+    intra_node_gbps: float = 5.0
+    """Planner: collective bus bandwidth (nccl-tests busbw) inside a node."""
+    intra_node_latency_us: float = 50.0
+    """Planner: per collective step inside a node."""
+    inter_node_gbps: float = 1.2
+    """Planner: bus bandwidth one NIC sustains between nodes."""
+    inter_node_latency_us: float = 100.0
+    """Planner: per collective step across nodes."""
     nics_per_node: int = 1
-    pcie_gbps: float = 30.0  # host <-> device copies per rank (offload)
-    nvme_gbps: float = 0.6  # NVMe read or write per node (offload.target=nvme)
-    nvme_gb: float = 0.0  # NVMe capacity per node for offloaded state; 0 = none
-    host_adam_gparams: float = 0.3  # host optimizer updates per node, billions of parameters/s
-    runtime_reserve_gb: float = 0.0  # per rank: CUDA context, NCCL and cuBLAS buffers, fragmentation
+    """Planner: NICs per node for traffic between nodes (each at inter_node_gbps)."""
+    pcie_gbps: float = 30.0
+    """Planner: host <-> device copies per rank (offload)."""
+    nvme_gbps: float = 0.6
+    """Planner: NVMe read or write per node (offload.target=nvme)."""
+    nvme_gb: float = 0.0
+    """Planner: NVMe capacity per node for offloaded state; 0 = none."""
+    host_adam_gparams: float = 0.3
+    """Planner: host optimizer updates per node, billions of parameters/s."""
+    runtime_reserve_gb: float = 0.0
+    """Planner, per rank: CUDA context, NCCL and cuBLAS buffers, fragmentation."""
     # Slurm
     partition: Optional[str] = None
+    """Slurm partition (sbatch --partition); None = the cluster's default."""
     nodes: int = 1
+    """Slurm: nodes to allocate."""
     gpus_per_node: int = 0
+    """Slurm: GPUs per node (sbatch --gpus-per-node); when set, one rank per GPU."""
     tasks_per_node: int = 1
+    """Slurm: ranks per node on nodes without GPUs."""
     cpus_per_task: int = 1
+    """Slurm: CPUs per rank (sbatch --cpus-per-task)."""
     mem: Optional[str] = None
+    """Slurm: memory per node (sbatch --mem, e.g. 200G); None = the cluster's default."""
     time: str = "01:00:00"
+    """Slurm: the job's time limit (sbatch --time)."""
     account: Optional[str] = None
+    """Slurm: account to charge (sbatch --account)."""
     qos: Optional[str] = None
+    """Slurm: quality of service (sbatch --qos)."""
     constraint: Optional[str] = None
+    """Slurm: node features to require (sbatch --constraint)."""
     exclude: Optional[str] = None
+    """Slurm: nodes to leave out (sbatch --exclude)."""
     signal_lead_s: int = 120
+    """Slurm: seconds before the time limit that Slurm sends USR2 so that all ranks can save
+    (1..65535, shorter than cluster.time)."""
     max_requeues: int = 10
+    """Slurm: at most this many requeues of a job (after a preemption save, or with too few nodes
+    left), so that a job that keeps getting preempted stops instead of cycling forever."""
     setup: list = field(default_factory=list)
+    """Shell lines run as written before the ranks start (e.g. `module load ...`, activating an
+    environment): the batch script's body, submitit's setup under launcher=slurm."""
     sbatch_extra: dict = field(default_factory=dict)
+    """More sbatch options, which override the others: `mail_type` -> --mail-type; true = a bare flag,
+    false/null = left out."""
     env: dict = field(default_factory=dict)
-    # Containers (pyxis/enroot): every rank runs inside this image via `srun --container-image`; the
-    # supervisor stays on the batch host. Also the pods' image under launcher=k8s.
+    """Environment variables exported to every rank (e.g. NCCL settings)."""
     container_image: Optional[str] = None
-    container_mounts: List[str] = field(default_factory=list)  # "SRC:DST[:FLAGS]"; the run dir is added
+    """Containers (pyxis/enroot): every rank runs inside this image via `srun --container-image`; the
+    supervisor stays on the batch host. Also the pods' image under launcher=k8s."""
+    container_mounts: List[str] = field(default_factory=list)
+    """Container mounts "SRC:DST[:FLAGS]"; the run dir is added."""
     container_workdir: Optional[str] = None
-    container_python: str = "python"  # the interpreter inside the image
+    """Working directory inside the container (srun --container-workdir)."""
+    container_python: str = "python"
+    """The interpreter inside the image."""
 
 
 @dataclass
 class RunConfig:
+    """Where the run lives."""
+
     name: str = "tiny"
+    """The run's name: the Slurm job name, the Kubernetes objects' name, trackers' run name."""
     dir: str = "outputs/${run.name}"
+    """The run directory: plan.json, metrics.jsonl, logs and checkpoints. Resuming reads it."""
 
 
 @dataclass
 class Config:
+    """The whole config `python -m hpctrain` composes from conf/ and the command line."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and learning-rate schedule."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The training data."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Experiment trackers."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Profiling."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Optimizer state offload."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """How ranks start and restart."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The machines and their Slurm allocation."""
     run: RunConfig = field(default_factory=RunConfig)
+    """The run's name and directory."""
     dry_run: bool = False
+    """Compose, check and plan (printed, and written to <run.dir>/plan.json), then stop: nothing
+    starts, nothing is submitted."""
 
 
 def register() -> None:
