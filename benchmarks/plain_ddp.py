@@ -9,15 +9,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpctrain.models.llama import Llama, LlamaArgs
+from hpctrain.core.schema import ModelConfig
+from hpctrain.models.llama import Llama
 
 
 class PlainDDP:
     def __init__(self, dim, layers, heads, kv_heads, ffn, vocab, seq, batch, micro):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
-        self.model = DDP(Llama(LlamaArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
-                                         ffn_dim=ffn, vocab_size=vocab, max_seq_len=seq)))
+        self.model = DDP(Llama(ModelConfig(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                                           ffn_dim=ffn, vocab_size=vocab), seq))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
         self.perm = np.random.default_rng(0).permutation(vocab)
         self.vocab, self.seq, self.batch, self.micro = vocab, seq, batch, micro

@@ -58,3 +58,16 @@ def check_snapshot(name: str, text: str) -> None:
         if os.environ.get("HPCTRAIN_UPDATE_SNAPSHOTS") != "1":
             pytest.fail(f"wrote the missing snapshot {path}: review it and rerun")
     assert text == path.read_text(), f"{name} changed; if intended: HPCTRAIN_UPDATE_SNAPSHOTS=1 pytest tests/"
+
+
+def set_key(cfg, key: str, value) -> None:
+    """Set a dotted key on a composed (typed) config, as a hand-edited config.yaml would hold it;
+    free-form sections (cluster.env, cluster.sbatch_extra) are plain dicts."""
+    parent, _, leaf = key.rpartition(".")
+    node = cfg
+    for part in parent.split(".") if parent else ():
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    if isinstance(node, dict):
+        node[leaf] = value
+    else:
+        setattr(node, leaf, value)

@@ -18,19 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.core import hf_format as hf
-from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
+from hpctrain.models.llama import build_meta, init_param_
 
 
 def hf_dir(cfg, out: Path) -> Path:
     """hpctrain's initial weights for `cfg` as a Hugging Face directory (config.json + safetensors)."""
     from safetensors.torch import save_file
 
-    args = LlamaArgs.from_config(cfg.model, max_seq_len=cfg.data.seq_len)
     weights = {}
-    for name, p in build_meta(args).named_parameters():
+    for name, p in build_meta(cfg.model, cfg.data.seq_len).named_parameters():
         t = torch.empty(p.shape)
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
-        init_param_(name, t, args, gen)
+        init_param_(name, t, cfg.model, gen)
         weights[hf.to_hf(name)] = t
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -137,11 +137,11 @@ def test_export_consolidates_weights(tmp_path):
     run_cli("export", str(step_dir), str(out), module="hpctrain.checkpoint")
     from safetensors.torch import load_file
 
-    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.models.llama import Llama
 
     weights = load_file(str(out))
     cfg = compose(COMMON)
-    model = Llama(LlamaArgs.from_config(cfg.model, cfg.data.seq_len))
+    model = Llama(cfg.model, cfg.data.seq_len)
     model.load_state_dict(weights, strict=True)  # every name and shape of the plain model
     x = torch.randint(0, cfg.model.vocab_size, (1, 16))
     assert torch.isfinite(model(x)).all()

@@ -81,8 +81,8 @@ def test_model_group_option():
 
 def test_free_form_dicts_accept_new_keys():
     cfg = compose([TINY, "+cluster.env.NCCL_DEBUG=INFO", "+cluster.sbatch_extra.reservation=r1"])
-    assert cfg.cluster.env.NCCL_DEBUG == "INFO"
-    assert cfg.cluster.sbatch_extra.reservation == "r1"
+    assert cfg.cluster.env["NCCL_DEBUG"] == "INFO"
+    assert cfg.cluster.sbatch_extra["reservation"] == "r1"
 
 
 # --- refused configs: each message names the key and the fix -----------------------------------

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import open_dict
 
 from helpers import REPO, run_cli
 from hpctrain.core.compose import ConfigError
@@ -32,11 +31,10 @@ CHECKOUT = "/home/me/src/hpctrain"
 
 def with_container(case: str = "h100_70b", **keys):
     cfg = config(case)
-    with open_dict(cfg):
-        cfg.cluster.container_image = IMAGE
-        cfg.cluster.container_mounts = ["/lustre/data:/data:ro+rprivate", "/lustre/tokenizers"]
-        for k, v in keys.items():
-            cfg.cluster[k] = v
+    cfg.cluster.container_image = IMAGE
+    cfg.cluster.container_mounts = ["/lustre/data:/data:ro+rprivate", "/lustre/tokenizers"]
+    for k, v in keys.items():
+        setattr(cfg.cluster, k, v)
     return cfg
 
 
@@ -120,8 +118,7 @@ def test_srun_command_with_container(monkeypatch):
 def test_srun_command_installed_hpctrain(monkeypatch):
     """Installed (no checkout): nothing to mount for the code, PYTHONPATH left to the image."""
     cfg = with_container()
-    with open_dict(cfg):
-        cfg.cluster.env = {"PATH": "/host/bin", "LD_LIBRARY_PATH": "/host/lib", "NCCL_DEBUG": "INFO"}
+    cfg.cluster.env = {"PATH": "/host/bin", "LD_LIBRARY_PATH": "/host/lib", "NCCL_DEBUG": "INFO"}
     cmd = runner(monkeypatch, cfg, source=None).command(["n1"], attempt=0)
     i = cmd.index(f"--container-image={PYXIS_IMAGE}")
     assert cmd[i:] == [f"--container-image={PYXIS_IMAGE}",
@@ -163,8 +160,7 @@ def test_image_as_enroot_reads_it(image, pyxis):
 
 def test_mounts_without_duplicates_and_through_a_mountable_parent():
     cfg = with_container()
-    with open_dict(cfg):
-        cfg.cluster.container_mounts = [f"{RUN}:{RUN}", CHECKOUT]
+    cfg.cluster.container_mounts = [f"{RUN}:{RUN}", CHECKOUT]
     assert container.mounts(cfg.cluster, RUN, CHECKOUT) == [f"{RUN}:{RUN}", CHECKOUT]
     assert container.mounts(cfg.cluster, "/s/a=1,b=2", "/x y/src") == [f"{RUN}:{RUN}", CHECKOUT, "/s:/s"]
 

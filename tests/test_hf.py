@@ -5,6 +5,7 @@ step's loss is transformers' on the same batch; the export of a TP2 x PP2 checkp
 the one-rank checkpoint of the same weights; bad directories are refused with the file and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from hpctrain.core import hf_format as hf
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.launch.local import launch
-from hpctrain.models.llama import Llama, LlamaArgs
+from hpctrain.models.llama import Llama
 from hpctrain.checks.config_checks import check
 
 from helpers import run_cli
@@ -44,13 +45,12 @@ def model_and_hf(shape: dict, tmp: Path, seq: int = 64):
     """hpctrain's Llama with weights that make attention matter (std 1/sqrt(fan in): a uniform attention
     would hide a RoPE or scaling bug), written as a Hugging Face directory through hpctrain's names and
     config.json, and transformers' model loaded from it."""
-    from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
     from hpctrain.core.schema import ModelConfig
 
-    m = OmegaConf.merge(OmegaConf.structured(ModelConfig), shape)
-    ours = Llama(LlamaArgs.from_config(m, max_seq_len=seq))
+    m = ModelConfig(**shape)
+    ours = Llama(m, seq)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ours.parameters():
@@ -73,8 +73,7 @@ def test_logits_equal_transformers(tmp_path, name):
         a, b = ours(tokens), theirs(input_ids=tokens).logits
     assert ((a - b).abs().max() / b.abs().max()).item() <= LOGIT_TOL
     if name == "rope_scaling":  # the scaling is exercised: without it the logits are far off
-        plain = Llama(LlamaArgs.from_config(m, max_seq_len=64)).eval()
-        plain.args.rope_scaling = 0.0
+        plain = Llama(dataclasses.replace(m, rope_scaling=0.0), 64).eval()
         plain.load_state_dict(ours.state_dict())
         plain.init_buffers()
         with torch.no_grad():
@@ -95,7 +94,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     from hpctrain.core.compose import load
 
     cfg = load(run / "config.yaml")
-    ours = Llama(LlamaArgs.from_config(cfg.model, max_seq_len=64)).eval()
+    ours = Llama(cfg.model, 64).eval()
     weights = {}
     for f in sorted(out.glob("*.safetensors")):
         weights.update(load_file(f))

@@ -17,13 +17,12 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
-from omegaconf import OmegaConf, open_dict
 
-from hpctrain.core.compose import ConfigError, compose, load
+from hpctrain.core.compose import ConfigError, compose, load, to_yaml
 from hpctrain.launch import k8s, k8s_pod
 from hpctrain.checks import k8s_checks as k8s_check
 
-from helpers import check_snapshot
+from helpers import check_snapshot, set_key
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,10 +47,8 @@ ONE_NODE = ["+experiment=tiny", "launcher=k8s", "cluster.nodes=1", "cluster.task
 
 def two_nodes():
     cfg = compose(TWO_NODES)
-    with open_dict(cfg):
-        for key, value in TWO_NODES_SET.items():
-            parent, _, leaf = key.rpartition(".")
-            OmegaConf.select(cfg, parent)[leaf] = value
+    for key, value in TWO_NODES_SET.items():
+        set_key(cfg, key, value)
     return cfg
 
 
@@ -234,7 +231,7 @@ def test_single_node_carries_its_config():
     cfg = compose(ONE_NODE)
     objs = kinds(k8s.manifest(cfg, cfg.run.dir))
     cm, job = objs["ConfigMap"], objs["Job"]
-    assert cm["data"]["config.yaml"] == OmegaConf.to_yaml(cfg)
+    assert cm["data"]["config.yaml"] == to_yaml(cfg)
     c, pod = container_of(job), job["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mount = next(m for m in c["volumeMounts"] if volumes[m["name"]].get("configMap"))
@@ -312,15 +309,13 @@ def test_refuses_several_nodes_without_a_claim():
 ])
 def test_other_refusals(key, value, words):
     cfg = two_nodes()
-    parent, _, leaf = key.rpartition(".")
-    OmegaConf.select(cfg, parent)[leaf] = value
+    set_key(cfg, key, value)
     refusal(cfg, *words)
 
 
 def test_bad_env_name_refused():
     cfg = two_nodes()
-    with open_dict(cfg):
-        cfg.cluster.env["BAD-NAME"] = 1
+    cfg.cluster.env["BAD-NAME"] = 1
     refusal(cfg, "BAD-NAME", "environment variable")
 
 
@@ -428,7 +423,7 @@ def test_pod_main(tmp_path, monkeypatch):
     cfg = compose(ONE_NODE)
     seed = tmp_path / "configmap" / "config.yaml"
     seed.parent.mkdir()
-    seed.write_text(OmegaConf.to_yaml(cfg))
+    seed.write_text(to_yaml(cfg))
     # Pod 0 seeds config.yaml into the empty run directory and hosts the rendezvous.
     rc, seen = run_pod(tmp_path, monkeypatch, 0, "completed", seed=seed)
     assert rc == 0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from hpctrain.core.schema import ModelConfig
-from hpctrain.models.llama import (Attention, Llama, LlamaArgs, apply_rope, build_meta, count_params,
+from hpctrain.models.llama import (Attention, Llama, apply_rope, build_meta, count_params, head_dim,
                                    init_param_)
 from hpctrain.core.flops import param_counts
 
@@ -18,8 +18,9 @@ CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 MODEL_YAMLS = sorted(p.stem for p in CONF.glob("*.yaml"))
 
 
-def model_config(name: str):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / f"{name}.yaml"))
+def model_config(name: str) -> ModelConfig:
+    """The preset's keys over the schema's defaults (model=hf's shape keys are those defaults)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / f"{name}.yaml")))
 
 
 # Meta AI's published totals for Llama 3 / 3.1 / 3.2.
@@ -28,33 +29,36 @@ PUBLISHED = {"8b": 8_030_261_248, "70b": 70_553_706_496, "405b": 405_853_388_800
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_published_parameter_counts(name):
-    model = build_meta(LlamaArgs.from_config(model_config(name), max_seq_len=16))
+    model = build_meta(model_config(name), 16)
     assert next(model.parameters()).device.type == "meta"
     assert count_params(model) == PUBLISHED[name]
 
 
 def test_1b_ties_embeddings():
-    model = build_meta(LlamaArgs.from_config(model_config("1b"), max_seq_len=16))
+    model = build_meta(model_config("1b"), 16)
     assert model.output.weight is model.tok_embeddings.weight
 
 
 @pytest.mark.parametrize("name", MODEL_YAMLS)
 def test_param_count_arithmetic_matches_model(name):
     m = model_config(name)
-    model = build_meta(LlamaArgs.from_config(m, max_seq_len=16))
+    model = build_meta(m, 16)
     counts = param_counts(m)
     assert count_params(model) == counts["total"]
     assert counts["per_block"] == count_params(model.layers["0"])
     assert counts["embedding"] == model.tok_embeddings.weight.numel()
 
 
-def tiny_args(**kw) -> LlamaArgs:
-    return LlamaArgs(**{"max_seq_len": 32, **kw})
+SEQ = 32
 
 
-def init_model(a: LlamaArgs, seed: int = 0) -> Llama:
+def tiny_args(**kw) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+def init_model(a: ModelConfig, seed: int = 0) -> Llama:
     torch.manual_seed(1234)  # init_param_ must not depend on the global generator
-    model = Llama(a)
+    model = Llama(a, SEQ)
     for name, p in model.named_parameters():
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         init_param_(name, p, a, gen)
@@ -114,7 +118,7 @@ def test_attention_matches_reference(n_heads, n_kv_heads):
 def test_gqa_model_runs_and_trains():
     a = tiny_args(n_heads=8, n_kv_heads=2, dim=64)
     model = init_model(a).train()
-    assert model.layers["0"].attention.wk.weight.shape == (2 * a.head_dim, a.dim)
+    assert model.layers["0"].attention.wk.weight.shape == (2 * head_dim(a), a.dim)
     tokens = torch.randint(0, a.vocab_size, (2, 9))
     loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
@@ -124,7 +128,7 @@ def test_gqa_model_runs_and_trains():
 
 def test_init_param_deterministic_per_seed():
     a = tiny_args()
-    shapes = dict((n, p.shape) for n, p in build_meta(a).named_parameters())
+    shapes = dict((n, p.shape) for n, p in build_meta(a, SEQ).named_parameters())
     for name, shape in shapes.items():
         t1, t2, t3 = (torch.empty(shape) for _ in range(3))
         init_param_(name, t1, a, torch.Generator().manual_seed(7))

@@ -26,9 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpip
 
 @lru_cache(maxsize=None)
 def _model(name: str) -> ModelConfig:
-    from omegaconf import OmegaConf
-
-    return ModelConfig(**OmegaConf.to_container(compose([f"model={name}"]).model, resolve=True))
+    return compose([f"model={name}"]).model
 
 
 def model(name: str, **kw) -> ModelConfig:

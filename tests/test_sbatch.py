@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf, open_dict
 
 from hpctrain.checks.config_checks import problems
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.launch.sbatch import directives, sbatch_script
 
-from helpers import check_snapshot
+from helpers import check_snapshot, set_key
 
 PYTHON = "/opt/venv/bin/python"
 HOSTILE = 'x"; rm -rf ~; "'
@@ -163,9 +162,7 @@ def test_env_values_quoted():
 def test_newline_refused():
     for key in ("run.name", "cluster.account", "cluster.sbatch_extra.comment", "cluster.time"):
         cfg = config("tiny_local")
-        parent, _, leaf = key.rpartition(".")
-        with open_dict(cfg):
-            OmegaConf.select(cfg, parent)[leaf] = "a\nb" if leaf != "comment" else "c\rd"
+        set_key(cfg, key, "a\nb" if not key.endswith("comment") else "c\rd")
         found = [p for p in problems(cfg) if "line break" in p]
         assert len(found) == 1 and found[0].startswith(key) and "Fix:" in found[0], found
         with pytest.raises(ConfigError, match="line break"):
@@ -177,9 +174,8 @@ def test_newline_refused():
 
 def test_bad_keys_refused():
     cfg = config("tiny_local")
-    with open_dict(cfg):
-        cfg.cluster.env["BAD-NAME"] = 1
-        cfg.cluster.sbatch_extra["a b"] = 1
+    cfg.cluster.env["BAD-NAME"] = 1
+    cfg.cluster.sbatch_extra["a b"] = 1
     found = problems(cfg)
     assert any("BAD-NAME" in p and "environment variable" in p for p in found), found
     assert any("'a b'" in p and "sbatch option" in p for p in found), found

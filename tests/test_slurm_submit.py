@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import open_dict
 
 from helpers import run_cli
 from hpctrain.checks.config_checks import problems
@@ -141,9 +140,8 @@ def test_partition_check_skipped_without_a_working_sinfo(monkeypatch, tmp_path):
 def test_executor_parameters():
     cfg = local_cfg()
     cfg.run.name = "my\\run"
-    with open_dict(cfg):
-        cfg.cluster.setup = ["module load x"]
-        cfg.cluster.sbatch_extra = {"comment": "hi", "exclusive": True, "hint": False}
+    cfg.cluster.setup = ["module load x"]
+    cfg.cluster.sbatch_extra = {"comment": "hi", "exclusive": True, "hint": False}
     p = executor_parameters(cfg, "/src/hpctrain")
     assert p["job_name"] == "my\\\\run"  # doubled: submitit quotes, sbatch's parser unescapes
     # submitit runs one process, the supervisor, which starts the ranks with srun: submitit is told of one

@@ -152,14 +152,14 @@ def test_a_later_micro_batch_makes_each_gradient_afresh_beside_grad():
     block's largest matrix."""
     import torch
 
-    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.models.llama import Llama
     from hpctrain.plan.memory import accumulation_transient, stage_params
 
     job = job_of(compose(["+experiment=tiny", "launcher.nproc=1", "parallel=ddp", "train.micro_batch=2",
                           "train.global_batch=4", "model.vocab_size=4096", "data.seq_len=64"]))
     assert job.microbatches == 2
     torch.manual_seed(0)
-    model = Llama(LlamaArgs.from_config(job.model, 64))
+    model = Llama(job.model, 64)
     w = model.output.weight
     seen = []
 

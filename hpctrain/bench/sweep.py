@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from omegaconf import OmegaConf
+
 from hpctrain.bench import collectives as C
 from hpctrain.core.compose import ConfigError, conf_dir
 from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
@@ -272,8 +274,6 @@ def resolve_path(spec: str) -> Path:
 
 def load(spec: str | Path | Mapping, overrides: Sequence[str] = ()) -> dict:
     """The sweep as a plain dict: file (or name, or mapping) + dotted overrides (`bench.iters=5`)."""
-    from omegaconf import OmegaConf
-
     if isinstance(spec, Mapping):
         cfg = OmegaConf.create(dict(spec))
         source = "<mapping>"
@@ -305,10 +305,14 @@ def _cluster(name: str | None, overrides: dict):
         cfg = compose([f"cluster={name}"] if name else [], resolve_paths=False)
     except ConfigError as e:
         raise SweepConfigError(f"cluster: {e}") from None
-    for key, value in overrides.items():
-        if value is not None:
-            cfg.cluster[key] = value
-    return cfg.cluster
+    cluster = OmegaConf.structured(cfg.cluster)  # the overrides validated against the schema's types
+    try:
+        for key, value in overrides.items():
+            if value is not None:
+                cluster[key] = value
+    except Exception as e:  # noqa: BLE001 - OmegaConf raises several types
+        raise SweepConfigError(f"cluster: {e}") from None
+    return OmegaConf.to_object(cluster)
 
 
 def _grid_name(combo: Sequence[tuple[str, Any]]) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hpctrain.core import hf_format as hf
+from hpctrain.core.compose import model_config
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,11 +71,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     md = read_metadata(step_dir)
     check_files(step_dir, md)
     info = read_info(step_dir)
-    from omegaconf import OmegaConf
-
-    from hpctrain.core.schema import ModelConfig
-
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), info["config"]["model"])
+    model_cfg = model_config(info["config"]["model"])
     seq_len = info["config"]["data"]["seq_len"]
     names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
     if model_cfg.tie_embeddings:

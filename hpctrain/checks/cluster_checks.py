@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Optional
+from hpctrain.core.schema import Config
 
 SLURM_LAUNCHERS = ("slurm", "sbatch")
 # Slurm delivers `--signal=<sig>@<lead>` up to this many seconds before the lead (its resolution).
@@ -59,7 +60,7 @@ def fmt(seconds: int) -> str:
     return f"{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def time_problems(cfg: Any) -> list[str]:
+def time_problems(cfg: Config) -> list[str]:
     c = cfg.cluster
     out = []
     lead = c.signal_lead_s
@@ -139,7 +140,7 @@ def partition_facts(timeout_s: float = 10.0) -> Optional[dict[str, Partition]]:
     return parse_sinfo(proc.stdout) or None
 
 
-def partition_problems(cfg: Any, partitions: dict[str, Partition]) -> list[str]:
+def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[str]:
     c = cfg.cluster
     names = ", ".join(sorted(partitions))
     if c.partition is None:
@@ -195,14 +196,14 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNWRITABLE = ("\n", "\r", "\0")
 
 
-def script_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
+def script_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
     """What cannot be written into a batch script's `#SBATCH` lines (sbatch's parser reads them, not
     the shell) or its environment: messages that name the key and the fix."""
     out = []
     c = cfg.cluster
     values = {"run.name": cfg.run.name, "run.dir": run_dir if run_dir is not None else cfg.run.dir}
     for key in ("mem", "time", "partition", "account", "qos", "constraint", "exclude"):
-        values[f"cluster.{key}"] = c[key]
+        values[f"cluster.{key}"] = getattr(c, key)
     for key, value in dict(c.sbatch_extra or {}).items():
         if not _OPTION.fullmatch(str(key).lstrip("-")):
             out.append(f"cluster.sbatch_extra has the key {str(key)!r}, which is not an sbatch option name. "
@@ -238,7 +239,7 @@ def mount_point(path: str) -> Optional[str]:
     return None
 
 
-def container_problems(cfg: Any, run_dir: Optional[str] = None, source: Optional[str] = None) -> list[str]:
+def container_problems(cfg: Config, run_dir: Optional[str] = None, source: Optional[str] = None) -> list[str]:
     """cluster.container_* that pyxis would refuse, ignore or misread (hpctrain.launch.container), with
     `source` the checkout mounted for hpctrain's code (None: installed). launcher=k8s uses the image for
     its pods and is not checked here."""

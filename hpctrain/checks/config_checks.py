@@ -8,11 +8,12 @@ must exist, the cluster. Each check yields messages that name the offending keys
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from hpctrain.core.compose import ConfigError, bad_choices, compose
 from hpctrain.core.disk import writable_dir_problem
 from hpctrain.core.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
+from hpctrain.core.schema import Config
 
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -20,7 +21,7 @@ POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log
             "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
             "cluster.nodes", "eval.batches")
 
-CHECKS: list[Callable[[Any], Iterator[str]]] = []
+CHECKS: list[Callable[[Config], Iterator[str]]] = []
 
 
 def _check(fn):
@@ -28,14 +29,14 @@ def _check(fn):
     return fn
 
 
-def _get(cfg: Any, key: str):
+def _get(cfg: Config, key: str):
     node = cfg
     for part in key.split("."):
-        node = node[part]
+        node = getattr(node, part)
     return node
 
 
-def compose_checked(overrides: Sequence[str]) -> tuple[Any, list[str]]:
+def compose_checked(overrides: Sequence[str]) -> tuple[Config, list[str]]:
     """(config, refusals): the config composed from every override whose value its choice allows, and
     a message for each that it does not, to report with check()'s other problems (composing alone
     stops at the first such value)."""
@@ -43,14 +44,14 @@ def compose_checked(overrides: Sequence[str]) -> tuple[Any, list[str]]:
     return compose([o for o in overrides if o not in refused]), list(refused.values())
 
 
-def problems(cfg: Any) -> list[str]:
+def problems(cfg: Config) -> list[str]:
     out: list[str] = []
     for fn in CHECKS:
         out.extend(fn(cfg))
     return out
 
 
-def check(cfg: Any, refused: Sequence[str] = ()) -> None:
+def check(cfg: Config, refused: Sequence[str] = ()) -> None:
     """Raise one ConfigError naming every problem: `refused` (what composing already refused) first."""
     found = [*refused, *problems(cfg)]
     if found:
@@ -59,14 +60,14 @@ def check(cfg: Any, refused: Sequence[str] = ()) -> None:
 
 
 @_check
-def _zero(cfg):
+def _zero(cfg: Config):
     if cfg.parallel.zero not in ZERO_STAGES:
         yield (f"parallel.zero={cfg.parallel.zero} is not one of {', '.join(map(str, ZERO_STAGES))}. "
                "Fix: parallel.zero=3")
 
 
 @_check
-def _positive(cfg):
+def _positive(cfg: Config):
     for key in POSITIVE:
         value = _get(cfg, key)
         if value < 1:
@@ -84,7 +85,7 @@ def _positive(cfg):
 
 
 @_check
-def _grad_sync(cfg):
+def _grad_sync(cfg: Config):
     p = cfg.parallel
     if p.grad_sync == "microbatch" and p.pp > 1:
         yield ("parallel.grad_sync=microbatch does not apply with pipelining: torch's pipeline stages reduce "
@@ -102,7 +103,7 @@ def _cluster_k8s(cfg):
 
 
 @_check
-def _launcher(cfg):
+def _launcher(cfg: Config):
     la = cfg.launcher
     if la.chain < 1:
         yield f"launcher.chain={la.chain} must be at least 1 (the number of jobs in the chain)"
@@ -115,7 +116,7 @@ def _launcher(cfg):
 
 
 @_check
-def _layout(cfg):
+def _layout(cfg: Config):
     p = cfg.parallel
     if min(p.pp, p.dp_replicate, p.tp) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
         return
@@ -138,7 +139,7 @@ def _layout(cfg):
 
 
 @_check
-def _model(cfg):
+def _model(cfg: Config):
     m = cfg.model
     if min(m.dim, m.n_heads, m.n_kv_heads) < 1:
         return
@@ -155,15 +156,15 @@ def _model(cfg):
     tp = cfg.parallel.tp
     if tp >= 1:
         for key in ("n_heads", "n_kv_heads"):
-            if m[key] % tp:
-                yield (f"model.{key}={m[key]} is not divisible by parallel.tp={tp}: tensor parallel splits heads. "
-                       f"Fix: choose parallel.tp among {_divisors(m[key])}")
+            if getattr(m, key) % tp:
+                yield (f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={tp}: tensor parallel splits heads. "
+                       f"Fix: choose parallel.tp among {_divisors(getattr(m, key))}")
         if m.ffn_dim % tp:
             yield f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}"
 
 
 @_check
-def _batch(cfg):
+def _batch(cfg: Config):
     t = cfg.train
     if min(t.global_batch, t.micro_batch) < 1:
         return
@@ -177,7 +178,7 @@ def _batch(cfg):
 
 
 @_check
-def _data(cfg):
+def _data(cfg: Config):
     """data.path or data.sources: shard directories whose vocabulary fits the model, from one
     tokenizer, long enough for data.seq_len, with a validation split where eval.every asks for one."""
     d = cfg.data
@@ -226,7 +227,7 @@ def _data(cfg):
 
 
 @_check
-def _init_from(cfg):
+def _init_from(cfg: Config):
     """model.init_from: a Hugging Face Llama directory whose config.json and tensor shapes fit the
     model keys (read from headers only)."""
     if cfg.model.init_from:
@@ -236,7 +237,7 @@ def _init_from(cfg):
 
 
 @_check
-def _cluster_time(cfg):
+def _cluster_time(cfg: Config):
     """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
@@ -246,7 +247,7 @@ def _cluster_time(cfg):
 
 
 @_check
-def _cluster_script(cfg):
+def _cluster_script(cfg: Config):
     """Slurm launchers: values that cannot be written into #SBATCH lines (line breaks, bad keys)."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
@@ -256,7 +257,7 @@ def _cluster_script(cfg):
 
 
 @_check
-def _container(cfg):
+def _container(cfg: Config):
     """cluster.container_* (pyxis): mounts pyxis can read, an image, no container with launcher=local.
     (The checkout mounted for hpctrain's code is checked where the batch script is written.)"""
     from hpctrain.checks.cluster_checks import container_problems
@@ -265,7 +266,7 @@ def _container(cfg):
 
 
 @_check
-def _cluster_partition(cfg):
+def _cluster_partition(cfg: Config):
     """Slurm launchers, not on a dry run: the partition exists and holds the nodes and tasks asked for.
     Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
     if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
@@ -278,7 +279,7 @@ def _cluster_partition(cfg):
 
 
 @_check
-def _engine(cfg):
+def _engine(cfg: Config):
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if min(p.pp, p.tp, p.dp_replicate) < 1 or t.micro_batch < 1:
         return
@@ -319,7 +320,7 @@ def _engine(cfg):
 
 
 @_check
-def _profile(cfg):
+def _profile(cfg: Config):
     """profile.steps: [] or [first, last], optimizer steps of this run (1-based, inclusive)."""
     steps = list(cfg.profile.steps)
     if not steps:
@@ -340,15 +341,15 @@ def _profile(cfg):
 
 
 @_check
-def _offload(cfg):
+def _offload(cfg: Config):
     """Offload knobs; with offload.target=nvme, offload.path must name a writable directory. Its free
     space is checked by every rank at start (the ranks know their share of the state)."""
     o = cfg.offload
     if o.target == "none":
         return
     for key in ("chunk_mb", "queue_depth", "block_mb"):
-        if o[key] < 1:
-            yield f"offload.{key}={o[key]} must be at least 1"
+        if getattr(o, key) < 1:
+            yield f"offload.{key}={getattr(o, key)} must be at least 1"
     if o.buffer_count < 2:
         yield (f"offload.buffer_count={o.buffer_count}: streaming needs at least 2 buffers (one is read while "
                "the other is updated). Fix: offload.buffer_count=4")

@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 from typing import Any, Optional
 
 from hpctrain.checks.cluster_checks import env_name_problems
+from hpctrain.core.schema import Config
 
 NAME_MAX = 50  # the pods' hostnames are <name>-<index>: a DNS label (63) with room for the index
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -52,7 +53,7 @@ def gib_quantity(gb: float) -> str:
     return f"{int(gb)}Gi" if float(gb).is_integer() else f"{max(1, round(gb * 1024))}Mi"
 
 
-def k8s_problems(cfg: Any, run_dir: Optional[str] = None) -> list[str]:
+def k8s_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
     """What a Job of this config could not run with, refused on the login node: messages that name
     the key and the fix, like every check in hpctrain.checks.config_checks."""
     out = []

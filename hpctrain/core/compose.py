@@ -1,7 +1,9 @@
 """Compose `conf/` with command-line overrides into one typed, resolved config.
 
-Hydra does the composing; this module finds `conf/` (checkout or installed package) and turns
-Hydra's and OmegaConf's errors into messages that name the key and the fix.
+Hydra does the composing and OmegaConf validates every value against the schema
+(hpctrain.core.schema); what comes out is the schema's own dataclass tree, `Config`, the one shape of
+the configuration from the command line to the rank. This module finds `conf/` (checkout or installed
+package) and turns Hydra's and OmegaConf's errors into messages that name the key and the fix.
 """
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hpctrain.core import hf_format as hf
+from hpctrain.core.schema import Choice, Config, ModelConfig, register
 
 
 class ConfigError(ValueError):
@@ -39,13 +47,8 @@ def conf_dir() -> Path:
     raise ConfigError(f"cannot find hpctrain's conf/ directory next to {here}; reinstall hpctrain")
 
 
-def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictConfig:
-    """The config `python -m hpctrain <overrides>` would run, typed and resolved."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from hpctrain.core.schema import register
-
+def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config:
+    """The config `python -m hpctrain <overrides>` would run, validated, resolved and typed."""
     renamed = _renamed(overrides)
     if renamed:
         raise ConfigError("\n".join(renamed))
@@ -65,34 +68,62 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> DictCo
     if unknown:
         raise ConfigError(_unknown_key(unknown[0]))
     if cfg.model.name == "hf":  # model=hf: the shape is the one model.init_from's config.json gives
-        from hpctrain.core import hf_format as hf
-
         if not cfg.model.init_from:
             raise ConfigError("model=hf takes the model's shape from a Hugging Face directory. "
                               "Fix: add model.init_from=<directory with config.json and *.safetensors>")
         try:
             for k, v in hf.model_keys(hf.read_config(cfg.model.init_from)).items():
                 cfg.model[k] = v
-        except hf.HFError as e:
-            raise ConfigError(str(e)) from None
+        except (hf.HFError, OmegaConfBaseException) as e:
+            raise ConfigError(explain(e, ()) if isinstance(e, OmegaConfBaseException) else str(e)) from None
     if resolve_paths:
         cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
-    return cfg
-
-
-def load(path: str | os.PathLike) -> DictConfig:
-    """A run directory's resolved config.yaml, typed against the schema again."""
-    from hpctrain.core.schema import Config
-
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        out = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # a mandatory value left unset, e.g. a data source's path
+        raise ConfigError(explain(e, overrides)) from None
+    assert isinstance(out, Config)
+    return out
+
+
+def load(path: str | os.PathLike) -> Config:
+    """A run directory's resolved config.yaml, validated against the schema again."""
+    try:
+        raw = OmegaConf.load(path)
+        old = [k for k in RENAMED if OmegaConf.select(raw, k, default=None) is not None]
+        if old:
+            raise ConfigError(f"{path}: " + "; ".join(f"{k} is now {RENAMED[k]}" for k in old)
+                              + ". Fix: rename the key" + "s" * (len(old) > 1) + " in that file")
+        out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"{path}: {explain(e, ())}") from None
+    assert isinstance(out, Config)
+    return out
+
+
+def model_config(values: dict) -> ModelConfig:
+    """A ModelConfig from plain values (a checkpoint's record), validated against the schema."""
+    try:
+        out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"model: {explain(e, ())}") from None
+    assert isinstance(out, ModelConfig)
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as config.yaml holds it (load() reads it back to an equal Config)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    """Plain JSON-ready values (choices as their strings): for metrics, trackers and checkpoint records."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def explain(e: BaseException, overrides: Sequence[str]) -> str:
-    from omegaconf.errors import OmegaConfBaseException
-
     # Hydra wraps OmegaConf's error, which wraps Python's: the OmegaConf one knows the key.
     chain, cur = [], e
     while cur is not None and cur not in chain:
@@ -136,8 +167,6 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
 
 def _choice_of(key: str):
     """The Choice enum a schema key takes its values from, or None."""
-    from hpctrain.core.schema import Choice
-
     node = _schema_keys(key.split(".")[:-1])
     if not isinstance(node, DictConfig) or key.split(".")[-1] not in node:
         return None
@@ -187,8 +216,6 @@ def _quoted(msg: str) -> str:
 
 
 def _schema_keys(path: Sequence[str]):
-    from hpctrain.core.schema import Config
-
     node = OmegaConf.structured(Config)
     for part in path:
         if not isinstance(node, DictConfig) or part not in node:
@@ -210,8 +237,6 @@ def _unknown_key(key: str) -> str:
 
 
 def _expected_type(key: str) -> str:
-    from hpctrain.core.schema import Config
-
     node = OmegaConf.structured(Config)
     parts = key.split(".")
     try:

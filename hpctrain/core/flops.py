@@ -1,10 +1,11 @@
 """Parameter counts and FLOPs of a Llama shape, by arithmetic (no weights, no torch)."""
 from __future__ import annotations
 
-from typing import Any
+
+from hpctrain.core.schema import ModelConfig
 
 
-def param_counts(m: Any) -> dict:
+def param_counts(m: ModelConfig) -> dict:
     """Parameters by kind; `total` matches the published Llama 3 counts exactly."""
     head_dim = m.dim // m.n_heads
     attn = m.dim * head_dim * (m.n_heads * 2 + m.n_kv_heads * 2)  # wq, wo, wk, wv
@@ -18,7 +19,7 @@ def param_counts(m: Any) -> dict:
             "blocks": m.n_layers * per_block, "final_norm": m.dim}
 
 
-def train_flops_per_token(m: Any, seq_len: int) -> float:
+def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token: 6 x (non-embedding parameters) for the matmuls of forward
     and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores (PaLM's rule,
     as torchtitan reports MFU). The embedding lookup is not a matmul; the output projection is."""
@@ -28,7 +29,7 @@ def train_flops_per_token(m: Any, seq_len: int) -> float:
     return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
 
 
-def recompute_flops_per_token(m: Any, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:
     """FLOPs per token that activation checkpointing adds: the forward of every recomputed block
     again (2 x its parameters for the matmuls, 4 x heads x head_dim x seq_len for attention scores,
     the forward third of train_flops_per_token's terms). Model FLOPs plus these are the hardware FLOPs

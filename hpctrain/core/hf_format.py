@@ -12,7 +12,8 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+
+from hpctrain.core.schema import ModelConfig
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -47,7 +48,7 @@ def to_hf(name: str) -> str:
     return NAMES[name]
 
 
-def expected_shapes(m: Any) -> dict[str, tuple]:
+def expected_shapes(m: ModelConfig) -> dict[str, tuple]:
     """Hugging Face name -> shape, for a model config (the tied output projection is not stored)."""
     hd = m.dim // m.n_heads
     block = {"attention_norm.weight": (m.dim,), "attention.wq.weight": (m.n_heads * hd, m.dim),
@@ -109,7 +110,7 @@ def model_keys(hf: dict) -> dict:
     return keys
 
 
-def to_config(m: Any, max_seq_len: int, dtype: str = "float32") -> dict:
+def to_config(m: ModelConfig, max_seq_len: int, dtype: str = "float32") -> dict:
     """config.json for a model config (what transformers' LlamaConfig reads)."""
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.dim,
            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
@@ -124,11 +125,11 @@ def to_config(m: Any, max_seq_len: int, dtype: str = "float32") -> dict:
     return cfg
 
 
-def mismatches(m: Any, hf_keys: dict) -> list[str]:
+def mismatches(m: ModelConfig, hf_keys: dict) -> list[str]:
     """Our model keys that disagree with the directory's config.json, each with both values."""
     out = []
     for k, v in hf_keys.items():
-        ours = m[k] if hasattr(m, "__getitem__") else getattr(m, k)
+        ours = getattr(m, k)
         same = math.isclose(ours, v, rel_tol=1e-9) if isinstance(v, float) else ours == v
         if not same:
             out.append(f"model.{k}={ours} but config.json says {v}")
@@ -185,7 +186,7 @@ def tensors(path: str | Path) -> dict[str, tuple[str, tuple, str]]:
     return out
 
 
-def problems(m: Any, path: str | Path) -> list[str]:
+def problems(m: ModelConfig, path: str | Path) -> list[str]:
     """What keeps the directory from initializing a model of config `m`: config.json disagreeing
     with the model keys, tensors missing or of another shape. Empty when it fits."""
     try:

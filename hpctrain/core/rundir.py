@@ -21,7 +21,8 @@ import os
 import re
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from hpctrain.core.compose import to_yaml
+from hpctrain.core.schema import Config
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -30,10 +31,10 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def prepare_run_dir(cfg) -> Path:
+def prepare_run_dir(cfg: Config) -> Path:
     run_dir = Path(cfg.run.dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(run_dir / "config.yaml", to_yaml(cfg))
     return run_dir
 
 

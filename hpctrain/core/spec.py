@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any, Optional
+from typing import Optional
 
 from hpctrain.core.flops import param_counts, train_flops_per_token
+from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 
 ZERO_STAGES = (0, 1, 2, 3)
 # Schedules with one stage per rank; V-shaped ones put stage s and 2p-1-s on one rank.
@@ -156,19 +157,19 @@ class EngineSpec:
 
 # ------------------------------------------------------------------------------------- the rules
 
-def ranks_per_node(cluster: Any) -> int:
+def ranks_per_node(cluster: ClusterConfig) -> int:
     """One rank per GPU where nodes have GPUs, else cluster.tasks_per_node."""
     return cluster.gpus_per_node or cluster.tasks_per_node or 1
 
 
-def world_size(cfg: Any) -> int:
+def world_size(cfg: Config) -> int:
     """Ranks the run needs: what the local launcher or the cluster's nodes provide."""
     if cfg.launcher.name == "local":
         return cfg.launcher.nproc
     return cfg.cluster.nodes * ranks_per_node(cfg.cluster)
 
 
-def layout_of(cfg: Any, world: Optional[int] = None) -> Layout:
+def layout_of(cfg: Config, world: Optional[int] = None) -> Layout:
     """The mesh, with dp_shard=-1 ("the rest") filled in from the world size (0 where it does not
     divide: check.py says why)."""
     p = cfg.parallel
@@ -360,7 +361,7 @@ def stage_owners(schedule: str, ranks: int, per_rank: int) -> tuple:
     return tuple(owner)
 
 
-def auto_layers(model: Any, pp: int, schedule: str, virtual: int) -> tuple:
+def auto_layers(model: ModelConfig, pp: int, schedule: str, virtual: int) -> tuple:
     """Blocks per stage (stage order) of the automatic split (the comment above)."""
     c = param_counts(model)
     return _auto_layers(c["embedding"], c["per_block"], c["final_norm"] + c["output"], model.n_layers, pp,
@@ -378,7 +379,7 @@ def _auto_layers(embedding: int, per_block: int, output: int, n: int, pp: int, p
     return split_layers(n, tuple(extra), stage_owners(V_SHAPED[0] if v_shaped else "interleaved_1f1b", pp, per_rank))
 
 
-def pp_layers_problems(model: Any, pp: int, schedule: str, virtual: int, layers) -> list[str]:
+def pp_layers_problems(model: ModelConfig, pp: int, schedule: str, virtual: int, layers) -> list[str]:
     """Why parallel.pp_layers (blocks per stage, stage order) cannot split this model, with the fix;
     [] when it can (or is [], the automatic split)."""
     layers = [int(x) for x in layers or ()]
@@ -413,7 +414,7 @@ def pp_layers_problems(model: Any, pp: int, schedule: str, virtual: int, layers)
             f"(the automatic split), or parallel.pp_layers=[] to use it"]
 
 
-def pipeline(model: Any, pp: int, schedule: str, virtual: int, layers=()) -> Optional[Pipeline]:
+def pipeline(model: ModelConfig, pp: int, schedule: str, virtual: int, layers=()) -> Optional[Pipeline]:
     """The stages and the blocks of each: `layers` blocks per stage (parallel.pp_layers), or the
     automatic split. Raises ValueError with pp_layers_problems' message for a split that cannot run.
     More stages than blocks + 2 get no blocks (check.py refuses them)."""
@@ -457,7 +458,7 @@ def microbatches(global_batch: int, dp: int, micro_batch: int) -> int:
 
 # ------------------------------------------------------------------------------------- the spec
 
-def engine_spec(cfg: Any, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
+def engine_spec(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
     """The spec of a composed config, for `world` ranks (default: what the launcher provides), with
     `pp_layers` instead of parallel.pp_layers where given (check.py: () while it refuses the config's)."""
     p, t = cfg.parallel, cfg.train
@@ -472,7 +473,7 @@ def engine_spec(cfg: Any, world: Optional[int] = None, pp_layers: Optional[tuple
                  sp_regather=bool(p.sp_regather))
 
 
-def build(model: Any, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
+def build(model: ModelConfig, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
           virtual_stages: int, global_batch: int, micro_batch: int, seq_len: int, ac: str = "none",
           ac_every: int = 2, compile: bool = False, master_on_nvme: bool = False, nodes: int = 1,
           ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto",

@@ -3,9 +3,10 @@ mixtures of shard directories, the shard format and `python -m hpctrain.data.pre
 reads shard metadata to check a config; the ranks batch samples into tensors with
 hpctrain.train.sampler."""
 from __future__ import annotations
+from hpctrain.core.schema import Config
 
 
-def build_dataset(cfg, split: str = "train"):
+def build_dataset(cfg: Config, split: str = "train"):
     """The dataset a config names for `split` ("train" or "val"): indexable, each item `seq_len + 1`
     token ids (input and target)."""
     d = cfg.data

@@ -11,6 +11,7 @@ import shlex
 from typing import Any, Optional
 
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import ClusterConfig
 
 # cluster.<key> -> the sbatch option of the same name, where set.
 OPTIONAL = ("mem", "time", "partition", "account", "qos", "constraint", "exclude")
@@ -32,7 +33,7 @@ def extra_options(extra: Any) -> dict[str, Any]:
     return out
 
 
-def allocation(cluster: Any, job_name: str, nodes: Optional[int] = None, tasks_per_node: Optional[int] = None,
+def allocation(cluster: ClusterConfig, job_name: str, nodes: Optional[int] = None, tasks_per_node: Optional[int] = None,
                more: Optional[dict] = None) -> dict[str, Any]:
     """The allocation for `nodes` (default cluster.nodes) x `tasks_per_node` (default one per GPU,
     else cluster.tasks_per_node), with the cluster's partition, account and limits, then the
@@ -44,8 +45,8 @@ def allocation(cluster: Any, job_name: str, nodes: Optional[int] = None, tasks_p
         d["gpus-per-node"] = c.gpus_per_node
     d["cpus-per-task"] = c.cpus_per_task
     for key in OPTIONAL:
-        if c[key] is not None:
-            d[key] = c[key]
+        if getattr(c, key) is not None:
+            d[key] = getattr(c, key)
     d.update(more or {})
     d.update(extra_options(c.sbatch_extra))
     return d

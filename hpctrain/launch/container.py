@@ -36,9 +36,10 @@ import shlex
 import sys
 import textwrap
 import zlib
-from typing import Any, Optional
+from typing import Optional
 
 from hpctrain.checks.cluster_checks import mount_point
+from hpctrain.core.schema import ClusterConfig
 
 # pyxis never passes these from the host into the container; forcing them would put host paths there.
 IMAGE_ONLY_ENV = ("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD")
@@ -51,7 +52,7 @@ def master_port(job_id: str, attempt: int) -> int:
     return 16000 + zlib.crc32(key.encode()) % 16000
 
 
-def enabled(cluster: Any) -> bool:
+def enabled(cluster: ClusterConfig) -> bool:
     return cluster.container_image is not None
 
 
@@ -68,7 +69,7 @@ def pyxis_image(image: str) -> str:
     return image
 
 
-def mounts(cluster: Any, run_dir: str, source: Optional[str] = None) -> list[str]:
+def mounts(cluster: ClusterConfig, run_dir: str, source: Optional[str] = None) -> list[str]:
     """cluster.container_mounts, then the run directory and the checkout (or the nearest directory above
     each that pyxis can mount), each at the same path."""
     out = [str(m) for m in (cluster.container_mounts or [])]
@@ -79,14 +80,14 @@ def mounts(cluster: Any, run_dir: str, source: Optional[str] = None) -> list[str
     return out
 
 
-def env_names(cluster: Any, source: Optional[str] = None) -> list[str]:
+def env_names(cluster: ClusterConfig, source: Optional[str] = None) -> list[str]:
     """The variables whose host value must win over the image's (--container-env)."""
     names = ["MASTER_PORT", *(["PYTHONPATH"] if source else []),
              *(str(k) for k in dict(cluster.env or {}) if str(k) not in IMAGE_ONLY_ENV)]
     return list(dict.fromkeys(names))
 
 
-def srun_args(cluster: Any, run_dir: str, source: Optional[str] = None) -> list[str]:
+def srun_args(cluster: ClusterConfig, run_dir: str, source: Optional[str] = None) -> list[str]:
     """pyxis's options for the ranks' srun step; [] without cluster.container_image."""
     if not enabled(cluster):
         return []
@@ -98,12 +99,12 @@ def srun_args(cluster: Any, run_dir: str, source: Optional[str] = None) -> list[
     return args
 
 
-def python(cluster: Any, host: str = sys.executable) -> str:
+def python(cluster: ClusterConfig, host: str = sys.executable) -> str:
     """The ranks' interpreter: the image's (cluster.container_python) in a container, else `host`."""
     return str(cluster.container_python) if enabled(cluster) else host
 
 
-def describe(cluster: Any, run_dir: str, source: Optional[str] = None, array: bool = False) -> list[str]:
+def describe(cluster: ClusterConfig, run_dir: str, source: Optional[str] = None, array: bool = False) -> list[str]:
     """Comment lines for the batch script: the srun step's container flags, one per line. `array`: a
     job array's script, `run_dir` then a placeholder for the task's run directory."""
     if not enabled(cluster):

@@ -65,10 +65,11 @@ import sys
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from hpctrain.core.compose import ConfigError
+from hpctrain.core.compose import ConfigError, to_yaml as config_yaml
 from hpctrain.checks.k8s_checks import gib_quantity, k8s_problems, memory_quantity, object_name, subdomain
 from hpctrain.launch.k8s_pod import EXIT_REQUEUE
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import Config
 
 MANIFEST_NAME = "k8s.yaml"
 CONTAINER = "trainer"
@@ -102,7 +103,7 @@ def _literal(text: str) -> str:
     return text.replace("$", "$$")
 
 
-def torchrun_command(cfg: Any, run_dir: str) -> list[str]:
+def torchrun_command(cfg: Config, run_dir: str) -> list[str]:
     """What each pod runs, under pod_main: one torchrun agent per node, one rank per GPU (or per
     task on CPU nodes), meeting at pod 0."""
     c = cfg.cluster
@@ -116,7 +117,7 @@ def torchrun_command(cfg: Any, run_dir: str) -> list[str]:
             "-m", "hpctrain.run", str(run_dir)]
 
 
-def manifest(cfg: Any, run_dir: str) -> list[dict]:
+def manifest(cfg: Config, run_dir: str) -> list[dict]:
     """The Service, the ConfigMap (no volume claim only) and the Job of this run, as plain dicts in
     the order to apply. Raises ConfigError for what k8s_problems() refuses."""
     found = k8s_problems(cfg, run_dir)
@@ -144,11 +145,9 @@ def manifest(cfg: Any, run_dir: str) -> list[dict]:
                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": gib_quantity(k.shm_gb)}}]
     entry = [str(c.container_python), "-u", "-m", "hpctrain.launch.k8s_pod", "--run-dir", run_dir]
     if k.volume_claim is None:
-        from omegaconf import OmegaConf
-
         config_map = f"{name}-config"
         objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(config_map),
-                     "data": {"config.yaml": OmegaConf.to_yaml(cfg)}})
+                     "data": {"config.yaml": config_yaml(cfg)}})
         mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
         volumes.append({"name": "config", "configMap": {"name": config_map}})
         entry += ["--seed-config", f"{CONFIG_DIR}/config.yaml"]
@@ -243,7 +242,7 @@ def to_yaml(objs: list[dict], path: Optional[str] = None) -> str:
     return "\n".join(head) + "\n---\n" + body
 
 
-def manifest_text(cfg: Any, run_dir: str) -> str:
+def manifest_text(cfg: Config, run_dir: str) -> str:
     """<run_dir>/k8s.yaml as write() writes it (pure)."""
     return to_yaml(manifest(cfg, run_dir), str(Path(run_dir) / MANIFEST_NAME))
 
@@ -341,7 +340,7 @@ def validation_note(objs: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------- the login node
 
-def write(cfg: Any, run_dir: str) -> Path:
+def write(cfg: Config, run_dir: str) -> Path:
     """Write <run_dir>/k8s.yaml (atomically), validated where the kubernetes client is installed."""
     objs = manifest(cfg, str(run_dir))
     validation_note(objs)
@@ -356,7 +355,7 @@ def _write(objs: list[dict], run_dir: str) -> Path:
     return path
 
 
-def preview(cfg: Any) -> str:
+def preview(cfg: Config) -> str:
     """dry_run=true: the manifest that would be written to <run.dir>/k8s.yaml, between markers;
     nothing is written."""
     objs = manifest(cfg, str(cfg.run.dir))
@@ -365,7 +364,7 @@ def preview(cfg: Any) -> str:
     return f"--- {path} (not written; {note}) ---\n{to_yaml(objs, path)}---\n"
 
 
-def launch(cfg: Any, run_dir: str) -> int:
+def launch(cfg: Config, run_dir: str) -> int:
     """launcher=k8s: write <run_dir>/k8s.yaml and say how to apply, follow and delete it."""
     try:
         objs = manifest(cfg, str(run_dir))

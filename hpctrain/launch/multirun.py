@@ -22,9 +22,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from hpctrain.core.compose import ConfigError, conf_dir
+from hpctrain.core.schema import Config
 
 SWEEP_FILE = "sweep.json"
 MAX_ELEMENTS = 1000  # Slurm's default MaxArraySize is 1001
@@ -35,7 +36,7 @@ class Element:
     index: int
     overrides: list[str]  # the sweeping overrides that make this element, as key=value
     name: str  # its run directory's name
-    cfg: Any = None
+    cfg: Optional[Config] = None
     plan: Any = None
     problems: list[str] = field(default_factory=list)
 
@@ -200,7 +201,7 @@ def multirun(overrides: list[str]) -> int:
     return launch(sweep_dir, elements, base)
 
 
-def launch(sweep_dir: Path, elements: list[Element], base: Any) -> int:
+def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
     import shlex
     import sys
 

@@ -17,6 +17,7 @@ from hpctrain.launch.local import Ended, run_ranks, tail
 from hpctrain.launch.sbatch import source_root
 from hpctrain.core.rundir import attempt_dir
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import Config
 
 Poll = Callable[[], None]
 
@@ -24,7 +25,7 @@ Poll = Callable[[], None]
 class LocalRunner:
     """All ranks on this machine: one node, nothing to leave out."""
 
-    def __init__(self, cfg, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path):
         self.run_dir, self.nproc = Path(run_dir), cfg.launcher.nproc
 
     def nodes(self) -> list[str]:
@@ -48,7 +49,7 @@ class SrunRunner:
     task's output in <run.dir>/logs/rank-N.log. With cluster.container_image the step runs the
     ranks in the image (pyxis's --container-* options; the checkout hpctrain runs from is mounted)."""
 
-    def __init__(self, cfg, run_dir: Path, env=os.environ):
+    def __init__(self, cfg: Config, run_dir: Path, env=os.environ):
         self.run_dir = Path(run_dir)
         self.job = env["SLURM_JOB_ID"]
         self.allocation = hostnames(env["SLURM_JOB_NODELIST"])

@@ -30,12 +30,13 @@ from hpctrain.launch.allocation import allocation, sbatch_lines
 from hpctrain.launch.chain import chain_script
 from hpctrain.checks.cluster_checks import container_problems, script_problems
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import Config
 
 SCRIPT_NAME = "job.sbatch"
 CHAIN_SCRIPT = "chain.sh"
 
 
-def directives(cfg: Any, run_dir: str, array: Optional[str] = None) -> dict[str, Any]:
+def directives(cfg: Config, run_dir: str, array: Optional[str] = None) -> dict[str, Any]:
     """The `#SBATCH` options as an ordered mapping (value True = bare flag); `array`: a job array's
     `--array` (one task per sweep element, `run_dir` then the sweep's directory)."""
     # %% = a literal % for Slurm; %A_%a = an array task's <array job>_<task>
@@ -48,7 +49,7 @@ def directives(cfg: Any, run_dir: str, array: Optional[str] = None) -> dict[str,
         "output": log, "error": log})
 
 
-def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
+def exports(cfg: Config, pythonpath: Optional[str] = None) -> list[str]:
     """`export` lines for the job's environment: hpctrain's source (when run from a checkout), then
     cluster.env, every value quoted."""
     lines = []
@@ -60,7 +61,7 @@ def exports(cfg: Any, pythonpath: Optional[str] = None) -> list[str]:
     return lines
 
 
-def sbatch_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None,
+def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[str] = None,
                   array_dirs: Optional[list[str]] = None, array_parallelism: int = 0) -> str:
     """The batch script for this run, or with `array_dirs` for a sweep: a job array whose task i runs
     array_dirs[i] (`run_dir` is then the sweep's directory). Raises ConfigError for values it cannot
@@ -120,7 +121,7 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def write_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] = None) -> Path:
+def write_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[str] = None) -> Path:
     """<run_dir>/job.sbatch; with launcher.chain > 1 also <run_dir>/chain.sh, which submits the chain.
     Returns the path to run: the script, or chain.sh."""
     path = _write(Path(run_dir) / SCRIPT_NAME, sbatch_script(cfg, str(run_dir), python, pythonpath))
@@ -129,7 +130,7 @@ def write_script(cfg: Any, run_dir: str, python: str, pythonpath: Optional[str] 
     return path
 
 
-def write_array_script(cfg: Any, sweep_dir: str | Path, run_dirs: list[str], python: str,
+def write_array_script(cfg: Config, sweep_dir: str | Path, run_dirs: list[str], python: str,
                        pythonpath: Optional[str] = None) -> Path:
     """<sweep_dir>/job.sbatch, one array task per run directory (and chain.sh, as write_script)."""
     (Path(sweep_dir) / "logs").mkdir(parents=True, exist_ok=True)

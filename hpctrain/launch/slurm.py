@@ -25,11 +25,12 @@ from hpctrain.launch import chain
 from hpctrain.launch.allocation import allocation, submitit_parameters
 from hpctrain.launch.sbatch import exports
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import Config
 
 FOLDER = "submitit"
 
 
-def executor_parameters(cfg: Any, pythonpath: Optional[str] = None) -> dict[str, Any]:
+def executor_parameters(cfg: Config, pythonpath: Optional[str] = None) -> dict[str, Any]:
     """SlurmExecutor.update_parameters(**this) for the run; pure. The allocation is launcher=sbatch's
     (hpctrain.launch.allocation); submitit writes the USR2 signal itself from signal_delay_s."""
     c = cfg.cluster
@@ -88,7 +89,7 @@ def _refused(e: Exception) -> int:
     return 1
 
 
-def submit(cfg: Any, run_dir: str | os.PathLike, python: Optional[str] = None,
+def submit(cfg: Config, run_dir: str | os.PathLike, python: Optional[str] = None,
            pythonpath: Optional[str] = None) -> int:
     """Submit (launcher.chain jobs, each after the previous); print the job ids, the run directory and
     how to follow the log. Returns an exit code."""
@@ -118,7 +119,7 @@ def submit(cfg: Any, run_dir: str | os.PathLike, python: Optional[str] = None,
     return 0
 
 
-def submit_array(base: Any, sweep_dir: str | os.PathLike, cfgs: list, run_dirs: list[str],
+def submit_array(base: Config, sweep_dir: str | os.PathLike, cfgs: list[Config], run_dirs: list[str],
                  python: Optional[str] = None, pythonpath: Optional[str] = None) -> int:
     """A sweep as one job array (one task per run directory; all share cfgs[0]'s allocation, which
     the caller checked), launcher.chain times, each array after the previous."""

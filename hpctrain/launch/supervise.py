@@ -30,9 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from hpctrain.core.compose import ConfigError, load
+from hpctrain.core.compose import ConfigError, load, to_yaml
 from hpctrain.launch import chain, requeue as slurm_requeue
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
@@ -116,7 +114,7 @@ class Supervisor:
         except ConfigError as e:
             return self._requeue_without(str(e))
         self.cfg = cfg
-        write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+        write_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
         say(f"continuing on {n} node(s) without {', '.join(self.excluded)}: {change}")
         return nodes[:n]
 

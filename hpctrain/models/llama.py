@@ -9,50 +9,20 @@ parameter (hpctrain.parallel.init.materialize does so for any layout).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class LlamaArgs:
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 384
-    vocab_size: int = 256
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    # Llama 3.1's RoPE scaling (0 = none): low frequencies slowed down by `rope_scaling`, high ones
-    # kept, a smooth blend between (Meta's reference implementation, as transformers' "llama3").
-    rope_scaling: float = 0.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-
-    @classmethod
-    def from_config(cls, m, max_seq_len: int) -> "LlamaArgs":
-        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                   ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, norm_eps=m.norm_eps,
-                   rope_theta=m.rope_theta, max_seq_len=max_seq_len,
-                   tie_embeddings=m.tie_embeddings, init_std=m.init_std, rope_scaling=m.rope_scaling,
-                   rope_low_freq_factor=m.rope_low_freq_factor, rope_high_freq_factor=m.rope_high_freq_factor,
-                   rope_original_max_seq_len=m.rope_original_max_seq_len)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+from hpctrain.core.schema import ModelConfig
 
 
-def rope_frequencies(a: "LlamaArgs", device=None) -> torch.Tensor:
+def head_dim(m: ModelConfig) -> int:
+    return m.dim // m.n_heads
+
+
+def rope_frequencies(a: ModelConfig, device=None) -> torch.Tensor:
     """The rotation frequency of each channel pair, Llama 3.1's scaling applied where configured."""
-    hd = a.head_dim
+    hd = head_dim(a)
     freqs = 1.0 / (a.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
     if a.rope_scaling <= 0:
         return freqs
@@ -67,9 +37,9 @@ def rope_frequencies(a: "LlamaArgs", device=None) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_tables(a: "LlamaArgs", device=None) -> torch.Tensor:
+def rope_tables(a: ModelConfig, max_seq_len: int, device=None) -> torch.Tensor:
     """cos and sin of every (position, frequency) pair, stacked: shape (2, max_seq_len, head_dim // 2)."""
-    angles = torch.outer(torch.arange(a.max_seq_len, device=device, dtype=torch.float32), rope_frequencies(a, device))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), rope_frequencies(a, device))
     return torch.stack((angles.cos(), angles.sin()))
 
 
@@ -132,13 +102,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
-        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
-        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
-        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, head_dim(a)
+        self.wq = nn.Linear(a.dim, a.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -180,7 +150,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # up
@@ -191,7 +161,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.attention = Attention(a)
@@ -204,9 +174,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: ModelConfig, max_seq_len: int):
         super().__init__()
-        self.args = a
+        self.config, self.max_seq_len = a, max_seq_len
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleDict({str(i): Block(a) for i in range(a.n_layers)})
         self.norm = RMSNorm(a.dim, a.norm_eps)
@@ -214,7 +184,7 @@ class Llama(nn.Module):
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints never carry it.
-        self.register_buffer("rope", rope_tables(a), persistent=False)
+        self.register_buffer("rope", rope_tables(a, max_seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # Any of these may be None on a pipeline stage that does not own it.
@@ -225,11 +195,11 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        self.rope = rope_tables(self.args, device=device)
+        self.rope = rope_tables(self.config, self.max_seq_len, device=device)
 
 
 @torch.no_grad()
-def init_param_(name: str, t: torch.Tensor, a: LlamaArgs, generator: torch.Generator | None = None) -> None:
+def init_param_(name: str, t: torch.Tensor, a: ModelConfig, generator: torch.Generator | None = None) -> None:
     """Initialize the full (unsharded) parameter `name` in place.
 
     A function of the name alone, so every layout can reproduce the same initial model by
@@ -252,9 +222,9 @@ def init_param_(name: str, t: torch.Tensor, a: LlamaArgs, generator: torch.Gener
         nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
-def build_meta(a: LlamaArgs) -> Llama:
+def build_meta(a: ModelConfig, max_seq_len: int) -> Llama:
     with torch.device("meta"):
-        return Llama(a)
+        return Llama(a, max_seq_len)
 
 
 def count_params(model: nn.Module) -> int:

@@ -55,7 +55,7 @@ DEFAULTS = {**{f.name: f.default for f in fields(OffloadConfig)}, "target": "cpu
             "chunk_bytes": None, "block_bytes": None, "emulate_device": False}
 
 
-def settings(cfg: Any = None, **overrides) -> SimpleNamespace:
+def settings(cfg: OffloadConfig | dict | None = None, **overrides) -> SimpleNamespace:
     """The offload knobs from an OffloadConfig (or dict, or None) with defaults for missing ones."""
     out = dict(DEFAULTS)
     if cfg is not None:
@@ -116,7 +116,7 @@ class HostAdamW(Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, offload: Any = None):
+                 weight_decay: float = 1e-2, *, offload: OffloadConfig | dict | None = None):
         self.offload = settings(offload)
         self.kernel = AdamKernel(self.offload.kernel)
         self._store = None

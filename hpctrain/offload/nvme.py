@@ -24,6 +24,7 @@ import os
 import shutil
 import socket
 import threading
+from types import SimpleNamespace
 from typing import Iterator, Optional
 
 import torch
@@ -61,7 +62,7 @@ def _rank() -> int:
 
 
 class NvmeStore:
-    def __init__(self, numel: int, kinds: tuple, cfg, pin: bool, chunk_elems: int):
+    def __init__(self, numel: int, kinds: tuple, cfg: SimpleNamespace, pin: bool, chunk_elems: int):
         self.numel, self.kinds = numel, kinds
         self.nbytes = numel * 4
         self.chunk_elems = chunk_elems

@@ -9,10 +9,11 @@ node count goes down until one fits or `launcher.min_nodes` is reached.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Optional
 
 from hpctrain.core.compose import ConfigError
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.schema import Config
 
 
 def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optional[int]:
@@ -28,7 +29,7 @@ def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optiona
     return None
 
 
-def shrink(cfg: Any, nodes: int) -> tuple[Any, str]:
+def shrink(cfg: Config, nodes: int) -> tuple[Config, str]:
     """(config for `nodes` nodes, what changed); raises ConfigError when no layout fits on that many."""
     from hpctrain.checks.config_checks import problems
     from hpctrain.plan.login import plan_and_check
@@ -60,7 +61,7 @@ def shrink(cfg: Any, nodes: int) -> tuple[Any, str]:
     return new, change
 
 
-def shrink_to_fit(cfg: Any, nodes: int, min_nodes: int) -> tuple[Any, int, str]:
+def shrink_to_fit(cfg: Config, nodes: int, min_nodes: int) -> tuple[Config, int, str]:
     """The most nodes (<= `nodes`, >= `min_nodes`) on which the run still has a layout."""
     why = []
     for n in range(nodes, max(1, min_nodes) - 1, -1):

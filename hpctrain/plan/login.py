@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
 
 from hpctrain.core.compose import ConfigError
+from hpctrain.core.schema import Config
 
 
 def _space(for_launch: bool):
@@ -16,7 +17,7 @@ def _space(for_launch: bool):
     return Space(offloads=("none",)) if for_launch else Space()
 
 
-def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
+def choose_layout(cfg: Config, for_launch: bool) -> list[str]:
     """Overrides of the fastest layout that fits (parallel=auto)."""
     from hpctrain.core.spec import world_size
     from hpctrain.plan.memory import job_of
@@ -29,7 +30,7 @@ def choose_layout(cfg: Any, for_launch: bool) -> list[str]:
     return overrides(res.ranked[0].job)
 
 
-def plan_and_check(cfg: Any, for_launch: bool):
+def plan_and_check(cfg: Config, for_launch: bool):
     """The requested layout's plan; raises ConfigError when it cannot fit."""
     from hpctrain.core.spec import world_size
     from hpctrain.plan.memory import job_of

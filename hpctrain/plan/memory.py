@@ -2,16 +2,15 @@
 checkpointing and pipeline schedule, and the transient buffers on top. Pure arithmetic, no torch.
 
 `Job` is the planner's input: one layout of one model on one cluster, as plain numbers, so the
-search can price thousands of layouts without touching OmegaConf. `job_of(cfg)` builds it from a
-composed config.
+search can price thousands of layouts at once. `job_of(cfg)` builds it from a composed config.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
 
-from hpctrain.core.schema import ClusterConfig, ModelConfig
+
+from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 from hpctrain.core.spec import EngineSpec, Layout, build, engine_spec, ranks_per_node
 from hpctrain.core.flops import param_counts
 
@@ -116,17 +115,15 @@ class Job:
         return replace(self, **kw)
 
 
-def job_of(cfg: Any, world: int | None = None) -> Job:
+def job_of(cfg: Config, world: int | None = None) -> Job:
     """The planner's view of a composed config. The local launcher puts every rank on one machine."""
-    from omegaconf import OmegaConf
-
     p, t = cfg.parallel, cfg.train
     spec = engine_spec(cfg, world)
     cluster = cluster_of(cfg)
     if (cluster.nodes, ranks_per_node(cluster)) != (spec.nodes, spec.ranks_per_node):
         cluster = replace(cluster, nodes=spec.nodes, tasks_per_node=spec.ranks_per_node,
                           gpus_per_node=spec.ranks_per_node if cluster.gpus_per_node else 0)
-    return Job(model=ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True)), cluster=cluster,
+    return Job(model=cfg.model, cluster=cluster,
                layout=spec.layout, seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
                precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
                schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, pp_layers=tuple(p.pp_layers),
@@ -135,11 +132,9 @@ def job_of(cfg: Any, world: int | None = None) -> Job:
                sp_regather=bool(p.sp_regather))
 
 
-def cluster_of(cfg: Any) -> ClusterConfig:
-    """The cluster section as a plain dataclass (attribute access on it is ~100x OmegaConf's)."""
-    from omegaconf import OmegaConf
-
-    cluster = ClusterConfig(**OmegaConf.to_container(cfg.cluster, resolve=True))
+def cluster_of(cfg: Config) -> ClusterConfig:
+    """The cluster the planner prices: the config's, where a local run's NVMe is this machine's."""
+    cluster = cfg.cluster
     o = cfg.offload
     if cfg.launcher.name == "local" and o.target == "nvme" and o.path:
         # A local run's "cluster" is this machine: its NVMe capacity is the free space under offload.path
@@ -224,7 +219,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 # Activations
 
 
-def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regather: bool = False,
+def layer_activation_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, regather: bool = False,
                            sp: bool = True, stream: int = 0) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
@@ -251,7 +246,7 @@ def layer_activation_bytes(m: Any, tokens: int, tp: int, precision: str, regathe
     return tokens * per_token
 
 
-def layer_input_bytes(m: Any, tokens: int, tp: int, precision: str, sp: bool = True, stream: int = 0) -> float:
+def layer_input_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, sp: bool = True, stream: int = 0) -> float:
     """A checkpointed block keeps only its input: the residual stream, sequence-parallel with TP."""
     return tokens * m.dim / (tp if sp else 1) * (stream or BYTES[precision])
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from hpctrain.plan.memory import Job, Memory, memory
 from hpctrain.core.spec import ZERO_STAGES, Layout, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
+from hpctrain.core.schema import ClusterConfig
 
 # The knobs a layout is made of; `nearest` counts how many of them differ.
 KNOBS = ("tp", "pp", "dp_replicate", "zero", "offload", "ac", "micro_batch", "schedule", "virtual_stages")
@@ -130,7 +131,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cluster: Any, world: int, space: Space) -> Iterator[tuple[Layout, int]]:
+def layouts(cluster: ClusterConfig, world: int, space: Space) -> Iterator[tuple[Layout, int]]:
     """(mesh, ZeRO stage) pairs. ZeRO-0 replicates over all data-parallel ranks; ZeRO >= 1 shards
     over dp_shard and may replicate across dp_replicate groups (HSDP) whose shard group fills nodes."""
     rpn = ranks_per_node(cluster)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Optional
 
 from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params, stream_bytes)
+from hpctrain.core.schema import ClusterConfig
 
 # Flash attention's backward does 2.5x the matmul work of its forward (it recomputes the scores).
 ATTN_BWD = 2.5
@@ -194,7 +195,7 @@ class Collective:
                 "time_s": self.total, "exposed_s": self.exposed}
 
 
-def link(cluster: Any, size: int, stride: int) -> tuple[float, float, int]:
+def link(cluster: ClusterConfig, size: int, stride: int) -> tuple[float, float, int]:
     """(bus bandwidth, latency, nodes spanned) of a group of `size` ranks `stride` apart in the mesh.
 
     Inside a node: NVLink-class bandwidth. Across nodes the node's NICs are shared by every rank on

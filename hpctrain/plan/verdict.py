@@ -4,9 +4,9 @@ against Megatron-LM's published H100 figures."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from hpctrain.core.schema import ModelConfig
+from hpctrain.core.schema import ClusterConfig, ModelConfig
 from hpctrain.core.spec import Layout
 from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
@@ -179,7 +179,7 @@ MEGATRON_H100 = [  # model, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s 
 ]
 
 
-def megatron_job(row: tuple, cluster: Any) -> Job:
+def megatron_job(row: tuple, cluster: ClusterConfig) -> Job:
     """One table row in our schema.
 
     - GPT, not Llama: no GQA (n_kv_heads = n_heads); the 4h GELU MLP (2 matrices of h x 4h) becomes
@@ -206,7 +206,7 @@ def megatron_job(row: tuple, cluster: Any) -> Job:
                virtual_stages=layers // pp if pp > 1 else 1)
 
 
-def calibration(cluster: Any, sw: Software = MEGATRON) -> list[dict]:
+def calibration(cluster: ClusterConfig, sw: Software = MEGATRON) -> list[dict]:
     rows = []
     for row in MEGATRON_H100:
         t = throughput(megatron_job(row, cluster), sw)

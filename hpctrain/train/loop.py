@@ -12,16 +12,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset
 from hpctrain.train.sampler import StepSampler
 from hpctrain.distributed.mesh import build_mesh
-from hpctrain.models.llama import LlamaArgs, build_meta, init_param_
+from hpctrain.models.llama import build_meta, init_param_
 from hpctrain.parallel import parallelize
 from hpctrain.parallel.stateful import ModelState, OptimizerState
+from hpctrain.core.compose import to_dict
 from hpctrain.core.rundir import write_atomic, write_outcome
 from hpctrain.core.spec import EngineSpec, engine_spec
 from hpctrain.core import faults
@@ -31,6 +31,7 @@ from hpctrain.train.preempt import Preemption
 from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.progress import Progress, Schedule
 from hpctrain.train.stragglers import Stragglers
+from hpctrain.core.schema import Config
 
 log = logging.getLogger("hpctrain")
 
@@ -62,16 +63,15 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: str, device: torch.device, spec: Optional[EngineSpec] = None):
+    def __init__(self, cfg: Config, run_dir: str, device: torch.device, spec: Optional[EngineSpec] = None):
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.spec = spec or engine_spec(cfg, dist.get_world_size())
         self.rank = dist.get_rank()
         self.meshes = build_mesh(self.spec.layout, device.type)
         self.dp_mesh = self.meshes.dp
 
-        args = LlamaArgs.from_config(cfg.model, max_seq_len=cfg.data.seq_len)
-        init = partial(lambda a, name, t, gen: init_param_(name, t, a, gen), args)
-        self.par = parallelize(build_meta(args), self.meshes, self.spec, device, init, seed=cfg.train.seed,
+        init = partial(lambda m, name, t, gen: init_param_(name, t, m, gen), cfg.model)
+        self.par = parallelize(build_meta(cfg.model, cfg.data.seq_len), self.meshes, self.spec, device, init, seed=cfg.train.seed,
                                pin_memory=bool(cfg.offload.pin_memory))
         self.parts = self.par.parts
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -92,7 +92,7 @@ class Trainer:
             "progress": self.progress,
             "rng": RNG(),
         }, total_steps=cfg.train.steps,
-            meta={"layout": asdict(self.spec.layout), "config": OmegaConf.to_container(cfg, resolve=True)})
+            meta={"layout": asdict(self.spec.layout), "config": to_dict(cfg)})
         self._val_data = None
         self.resumed_from: int | None = None
         self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)

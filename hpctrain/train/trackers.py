@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctrain.core.compose import to_dict
 from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl, write_atomic
+from hpctrain.core.schema import Config
 
 IDS = "trackers.json"  # {"wandb": {"id": ...}, "mlflow": {"tracking_uri": ..., "run_id": ...}}
 
@@ -304,13 +306,11 @@ class MLflow(Tracker):
 
 # -------------------------------------------------------------------------------------------- config
 
-def run_info(cfg, run_dir: str | os.PathLike, step: int) -> RunInfo:
+def run_info(cfg: Config, run_dir: str | os.PathLike, step: int) -> RunInfo:
     """The run as the trackers see it: never raises (a tracker must not stop training)."""
     run_dir = Path(run_dir)
     try:
-        from omegaconf import OmegaConf
-
-        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        config = to_dict(cfg)
     except Exception:  # noqa: BLE001
         config = {}
     try:
@@ -320,7 +320,7 @@ def run_info(cfg, run_dir: str | os.PathLike, step: int) -> RunInfo:
     return RunInfo(run_dir=run_dir, name=str(cfg.run.name), config=config, plan=plan, step=step)
 
 
-def from_config(cfg, run_dir: str | os.PathLike, step: int = 0) -> list[Tracker]:
+def from_config(cfg: Config, run_dir: str | os.PathLike, step: int = 0) -> list[Tracker]:
     """The trackers cfg.logger enables, not started (MetricsLogger starts them). `step`: the step
     the run starts from (the resumed checkpoint's, 0 for a new run)."""
     lg = cfg.logger
