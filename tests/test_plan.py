@@ -58,7 +58,7 @@ def test_70b_weights_and_adam_state():
 
 
 def test_zero_stages_shrink_device_memory(job8):
-    assert job8.layout.dp == 8
+    assert job8.knobs.layout.dp == 8
     totals = [memory(job8.with_(zero=z)).device_total for z in (0, 1, 2, 3)]
     assert totals[0] > totals[1] > totals[2] > totals[3], [t / GiB for t in totals]
     # What each stage shards, per parameter on this rank: 12 -> 12/8, then grads, then params.
@@ -75,7 +75,7 @@ def test_offload_moves_optimizer_state_off_device(job8):
     for m in (cpu, nvme):
         assert "master" not in m.device and "moments" not in m.device
     p = param_counts(job8.model)["total"]
-    assert job8.layout.tp == 1 and job8.zero_group == 8
+    assert job8.knobs.layout.tp == 1 and job8.zero_group == 8
     # FSDP2 with offload (tp=1) keeps the fp32 parameter and gradient shards on the host too: the device
     # sheds master + moments (12P/8) and its bf16 parameter and gradient shards (4P/8) ...
     assert on.device_total - cpu.device_total == pytest.approx(16 * p / 8, rel=1e-6)
@@ -268,7 +268,7 @@ def test_search_refuses_pipelines_with_fewer_micro_batches_than_stages(job8):
     enough = few.with_(micro_batch=1)
     assert enough.microbatches >= 4 and "micro-batches < pp" not in [r for r, _ in layout_problems(enough)]
     res = search(job8, Space(zeros=(1,), micro_batches=(1, 8)))
-    assert all(c.job.microbatches >= c.job.layout.pp for c in res.ranked)
+    assert all(c.job.microbatches >= c.job.knobs.layout.pp for c in res.ranked)
 
 
 def test_calibration_against_megatron_h100(h100):
@@ -285,7 +285,7 @@ def test_calibration_against_megatron_h100(h100):
 def test_step_time_parts(job8):
     t = throughput(job8)
     assert sum(t.breakdown.values()) == pytest.approx(t.step_time_s)
-    assert t.tokens_per_s == pytest.approx(job8.global_batch * job8.seq_len / t.step_time_s)
+    assert t.tokens_per_s == pytest.approx(job8.knobs.global_batch * job8.knobs.seq_len / t.step_time_s)
     assert 0 < t.mfu < 1 and t.tflops_per_gpu == pytest.approx(t.mfu * job8.cluster.peak_tflops)
     # Full recompute costs about a third more compute, less the block's last linear (w2: 27% of a
     # 70B block's matmuls), which torch's checkpoint does not rerun; none costs nothing.
@@ -324,7 +324,7 @@ def test_zero1_is_priced_as_each_engine_runs_it(job8):
     from hpctrain.plan.throughput import HPCTRAIN, MEGATRON
 
     p = param_counts(job8.model)["total"]
-    for lay in (job8.layout, Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2)):
+    for lay in (job8.knobs.layout, Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2)):
         job = job8.with_(layout=lay, zero=1, ac="none")
         mine = throughput(job, HPCTRAIN)
         by = {(c["dim"], c["op"]): c for c in mine.collectives}
@@ -425,7 +425,7 @@ def test_nearest_layouts_that_fit(job70):
     ddp = job70.with_(zero=0)
     near = nearest(ddp, res.ranked)
     assert near and all(c.fits for c in near)
-    assert near[0].job.layout.tp == ddp.layout.tp  # one knob away: the ZeRO stage
+    assert near[0].job.knobs.layout.tp == ddp.knobs.layout.tp  # one knob away: the ZeRO stage
 
 
 # --- outputs --------------------------------------------------------------------------------
@@ -469,7 +469,7 @@ def test_hardware_flops_add_the_recomputed_forward():
                         (["parallel.ac=none"], ["parallel.ac=full"], ["parallel.ac=selective", "parallel.ac_every=2"]))
     t = throughput(none)
     assert t.hw_tflops_per_gpu == pytest.approx(t.tflops_per_gpu)
-    m, s = full.model, full.seq_len
+    m, s = full.model, full.knobs.seq_len
     attn = 4 * m.n_layers * m.dim * s  # the forward's attention scores, per token
     model = 6 * (param_counts(m)["total"] - m.vocab_size * m.dim) + 3 * attn
     for sw, rerun in ((MEGATRON, 2 * param_counts(m)["blocks"] + attn),

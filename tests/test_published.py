@@ -60,7 +60,7 @@ def _passes(errs) -> bool:
 
 
 def _pipelines_pass(preds) -> bool:
-    errs = [x.error for x in held(preds) if x.job.layout.pp > 1]
+    errs = [x.error for x in held(preds) if x.job.knobs.layout.pp > 1]
     med, worst = stats(errs)
     return med <= PIPELINE_MEDIAN and abs(worst) <= PIPELINE_WORST
 
@@ -85,8 +85,8 @@ def test_rows_load_with_their_sources_conventions(rows):
     meg = next(p for p in rows if p.row["source"] == "megatron_lm_readme_h100_2024")
     assert meg.tokens * P._megatron_2024(meg.candidates[0].model, 4096, 0) == pytest.approx(408.8e12)
     # Every fit row is a PyTorch FSDP run without TP or PP; every TP or PP run is held out.
-    assert all(p.candidates[0].layout.tp == p.candidates[0].layout.pp == 1 for p in rows if p.fit)
-    assert sum(1 for p in rows if not p.fit and p.candidates[0].layout.pp > 1) >= 13
+    assert all(p.candidates[0].knobs.layout.tp == p.candidates[0].knobs.layout.pp == 1 for p in rows if p.fit)
+    assert sum(1 for p in rows if not p.fit and p.candidates[0].knobs.layout.pp > 1) >= 13
 
 
 def test_software_profile_per_row(rows):
@@ -121,7 +121,7 @@ def test_held_out_rows(preds):
     outside = [x.row.id for x in rows if abs(x.error) > F.BOUND]
     unexplained = [i for i in outside if not i.startswith(tuple(OUTSIDE))]
     assert not unexplained, unexplained
-    pipe = [x for x in rows if x.job.layout.pp > 1]
+    pipe = [x for x in rows if x.job.knobs.layout.pp > 1]
     assert {x.row.row["source"] for x in pipe} == {"megatron_lm_readme_h100_2024", "narayanan2021_table1",
                                                    "llama3_paper_table4"}
     assert _pipelines_pass(preds), [(x.row.id, round(x.error, 3)) for x in pipe]
@@ -148,10 +148,10 @@ def test_a_constant_predictor_fails(preds):
     mfu = {}
     for k in ("a100", "h100"):
         mine = [x for x in fitted if F.kind(x.row) == k]
-        mfu[k] = statistics.mean(x.row.tokens * train_flops_per_token(x.job.model, x.job.seq_len)
+        mfu[k] = statistics.mean(x.row.tokens * train_flops_per_token(x.job.model, x.job.knobs.seq_len)
                                  / (x.job.cluster.peak_tflops * 1e12) for x in mine)
     errs = [mfu[F.kind(x.row)] * x.job.cluster.peak_tflops * 1e12
-            / train_flops_per_token(x.job.model, x.job.seq_len) / x.row.tokens - 1 for x in rows]
+            / train_flops_per_token(x.job.model, x.job.knobs.seq_len) / x.row.tokens - 1 for x in rows]
     assert not _passes(errs), stats(errs)
 
 
@@ -171,7 +171,7 @@ def test_without_micro_batches_it_fails(rows, monkeypatch):
     real = T.throughput
 
     def one(job, sw=T.HPCTRAIN):
-        return real(job.with_(micro_batch=job.global_batch // job.layout.dp), sw)
+        return real(job.with_(micro_batch=job.knobs.global_batch // job.knobs.layout.dp), sw)
 
     preds = F.evaluate(rows, price=one)
     assert not _pipelines_pass(preds)
@@ -196,7 +196,7 @@ def test_megatron_2021_is_priced_without_sequence_parallelism(rows, monkeypatch)
     Narayanan et al.'s TP runs are within 6% (worst +5.6%); priced as today's Megatron, with sequence
     parallelism, the pipelined ones read up to +10%."""
     def narayanan(preds):
-        return [x.error for x in held(preds) if x.row.row["source"] == "narayanan2021_table1" and x.job.layout.tp > 1]
+        return [x.error for x in held(preds) if x.row.row["source"] == "narayanan2021_table1" and x.job.knobs.layout.tp > 1]
 
     assert max(abs(e) for e in narayanan(F.evaluate(rows))) < 0.07
     src = P.SOURCES["narayanan2021_table1"]
@@ -285,8 +285,8 @@ def test_auto_layout_is_at_least_the_published_one(rows):
     for p in picked:
         x, res = F.auto(p)
         best = res.ranked[0]
-        assert best.job.world == x.job.world and best.job.global_batch == x.job.global_batch
-        assert best.job.model == x.job.model and best.job.seq_len == x.job.seq_len
+        assert best.job.world == x.job.world and best.job.knobs.global_batch == x.job.knobs.global_batch
+        assert best.job.model == x.job.model and best.job.knobs.seq_len == x.job.knobs.seq_len
         assert best.time.tokens_per_s >= x.time.tokens_per_s * (1 - 1e-9), p.id
         why = explain(res, top=3, request=x.job)
         assert "time:" in why and ("ranks #" in why or "nearest to the one asked for" in why)

@@ -114,7 +114,7 @@ def test_a_block_keeps_what_the_planner_says(measured):
     for tag in ("dp", True, False):
         per_block = [(b["forward"] - a["forward"]) / 2 for a, b in zip(measured[2, tag], measured[4, tag])]
         job = job_of(compose([*COMMON, "launcher.nproc=2", *LAYOUTS[4, tag].split()]))
-        pred = layer_activation_bytes(job.model, 8 * 1024, job.layout.tp, job.precision, job.spec.sp_regather)
+        pred = layer_activation_bytes(job.model, 8 * 1024, job.knobs.layout.tp, job.knobs.precision, job.spec.sp_regather)
         print(f"\nper block, {tag}: measured/predicted", [round(x / pred, 4) for x in per_block])
         for x in per_block:
             assert x == pytest.approx(pred, rel=0.03), (tag, per_block, pred)

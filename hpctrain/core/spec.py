@@ -128,7 +128,31 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class Knobs:
+    """What a run chooses about how it trains, before the rules below decide what follows: the engine
+    spec's inputs. `knobs_of(cfg)` reads them from a config (parallel.*, train.*, offload.*,
+    data.seq_len); the planner varies them to search layouts."""
+    layout: Layout
+    global_batch: int
+    seq_len: int
+    micro_batch: int = 1
+    precision: str = "bf16"  # fp32 | bf16
+    zero: int = 3
+    ac: str = "none"  # none | full | selective (every ac_every-th block)
+    ac_every: int = 2
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_layers: tuple = ()  # blocks per pipeline stage; () = the automatic split
+    offload: str = "none"  # none | cpu | nvme
+    master_on_nvme: bool = False
+    grad_sync: str = "auto"  # auto | step | microbatch (grad_sync() resolves auto)
+    compile: bool = False
+    sp_regather: bool = True  # applied with TP, uncompiled (EngineSpec.sp_regather)
+
+
+@dataclass(frozen=True)
 class EngineSpec:
+    knobs: Knobs  # what was asked for; the fields below are what the engine does with it
     layout: Layout
     zero: int
     # ddp | zero1 (DDP + ZeroRedundancyOptimizer) | replicate (FSDP2's replicate: ZeRO-0 with TP/PP) |
@@ -458,33 +482,44 @@ def microbatches(global_batch: int, dp: int, micro_batch: int) -> int:
 
 # ------------------------------------------------------------------------------------- the spec
 
-def engine_spec(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
-    """The spec of a composed config, for `world` ranks (default: what the launcher provides), with
-    `pp_layers` instead of parallel.pp_layers where given (check.py: () while it refuses the config's)."""
+def knobs_of(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> Knobs:
+    """The knobs of a composed config, for `world` ranks (default: what the launcher provides), with
+    `pp_layers` instead of parallel.pp_layers where given (checks: () while they refuse the config's)."""
     p, t = cfg.parallel, cfg.train
-    lay = layout_of(cfg, world)
-    nodes, rpn = (1, lay.world) if cfg.launcher.name == "local" else (cfg.cluster.nodes, ranks_per_node(cfg.cluster))
-    split = tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers)
-    return build(cfg.model, lay, zero=p.zero, precision=t.precision, offload=cfg.offload.target,
-                 master_on_nvme=bool(cfg.offload.master_on_nvme), schedule=p.pp_schedule,
-                 virtual_stages=p.pp_virtual_stages, pp_layers=split, global_batch=t.global_batch, micro_batch=t.micro_batch,
-                 seq_len=cfg.data.seq_len, ac=p.ac, ac_every=p.ac_every, compile=bool(t.compile), nodes=nodes,
-                 ranks_per_node=rpn, device=cfg.cluster.device, backend=cfg.launcher.backend, sync=p.grad_sync,
-                 sp_regather=bool(p.sp_regather))
+    return Knobs(layout=layout_of(cfg, world), global_batch=t.global_batch, seq_len=cfg.data.seq_len,
+                 micro_batch=t.micro_batch, precision=str(t.precision), zero=p.zero, ac=str(p.ac), ac_every=p.ac_every,
+                 schedule=str(p.pp_schedule), virtual_stages=p.pp_virtual_stages,
+                 pp_layers=tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers),
+                 offload=str(cfg.offload.target), master_on_nvme=bool(cfg.offload.master_on_nvme),
+                 grad_sync=str(p.grad_sync), compile=bool(t.compile), sp_regather=bool(p.sp_regather))
 
 
-def build(model: ModelConfig, layout: Layout, *, zero: int, precision: str, offload: str, schedule: str,
-          virtual_stages: int, global_batch: int, micro_batch: int, seq_len: int, ac: str = "none",
-          ac_every: int = 2, compile: bool = False, master_on_nvme: bool = False, nodes: int = 1,
-          ranks_per_node: int = 1, device: str = "cpu", backend: str = "auto", sync: str = "auto",
-          pp_layers: tuple = (), sp_regather: bool = False) -> EngineSpec:
-    """The spec from the knobs themselves (the planner prices thousands of layouts this way)."""
+def placement_of(cfg: Config, world: int) -> tuple[int, int]:
+    """(nodes, ranks per node): the local launcher puts every rank on this machine."""
+    if cfg.launcher.name == "local":
+        return 1, world
+    return cfg.cluster.nodes, ranks_per_node(cfg.cluster)
+
+
+def engine_spec(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
+    """The spec of a composed config (knobs_of's arguments)."""
+    k = knobs_of(cfg, world, pp_layers)
+    nodes, rpn = placement_of(cfg, k.layout.world)
+    return build(cfg.model, k, nodes=nodes, ranks_per_node=rpn, device=str(cfg.cluster.device),
+                 backend=str(cfg.launcher.backend))
+
+
+def build(model: ModelConfig, k: Knobs, *, nodes: int = 1, ranks_per_node: int = 1, device: str = "cpu",
+          backend: str = "auto") -> EngineSpec:
+    """The spec of these knobs on `nodes` x `ranks_per_node` (the planner prices thousands this way)."""
+    lay, zero = k.layout, int(k.zero)
     return EngineSpec(
-        layout=layout, zero=int(zero), data_parallel=data_parallel(zero, layout.dp, layout.tp, layout.pp), dtypes=dtypes(precision, zero),
-        sharding=sharding(zero, layout), placement=placement(offload, zero, layout.tp, master_on_nvme),
-        pipeline=pipeline(model, layout.pp, schedule, virtual_stages, pp_layers), micro_batch=micro_batch,
-        microbatches=microbatches(global_batch, layout.dp, micro_batch), ac=str(ac), ac_every=ac_every,
-        compile=compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
+        knobs=k, layout=lay, zero=zero, data_parallel=data_parallel(zero, lay.dp, lay.tp, lay.pp),
+        dtypes=dtypes(k.precision, zero), sharding=sharding(zero, lay),
+        placement=placement(k.offload, zero, lay.tp, k.master_on_nvme),
+        pipeline=pipeline(model, lay.pp, k.schedule, k.virtual_stages, k.pp_layers), micro_batch=k.micro_batch,
+        microbatches=microbatches(k.global_batch, lay.dp, k.micro_batch), ac=str(k.ac), ac_every=k.ac_every,
+        compile=k.compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],
-        flops_per_token=train_flops_per_token(model, seq_len), grad_sync=grad_sync(str(sync), int(zero), layout),
-        sp_regather=bool(sp_regather) and layout.tp > 1 and not compile)
+        flops_per_token=train_flops_per_token(model, k.seq_len), grad_sync=grad_sync(str(k.grad_sync), zero, lay),
+        sp_regather=bool(k.sp_regather) and lay.tp > 1 and not k.compile)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     request, world = job_of(cfg), world_size(cfg)
     found = problems(cfg)
-    if request.layout.world == world:
+    if request.knobs.layout.world == world:
         asked = report.plan(request)
         asked.problems = found + [p for p in asked.problems if p not in found]
         print("requested layout:\n" + report.summary(asked) + "\n")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {opts['json']}")
     if opts.get("png"):
         plans = [("requested", asked)] if asked else []
-        plans += [(f"#{i} tp{c.job.layout.tp} pp{c.job.layout.pp} zero{c.job.zero} {c.job.offload} ac {c.job.ac}",
+        plans += [(f"#{i} tp{c.job.knobs.layout.tp} pp{c.job.knobs.layout.pp} zero{c.job.knobs.zero} {c.job.knobs.offload} ac {c.job.knobs.ac}",
                    report.plan(c.job)) for i, c in enumerate(res.ranked[:4], 1)]
         if plans:
             print(f"wrote {report.save_memory_png(plans, opts['png'])}")

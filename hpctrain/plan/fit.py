@@ -110,22 +110,22 @@ def table(preds: list) -> str:
 
 def _line(x: Prediction) -> str:
     p, r, j = x.row, x.row.row, x.job
-    lay = f"tp{j.layout.tp} pp{j.layout.pp} dp{j.layout.dp} z{j.zero}"
-    flops = p.source.flops(j.model, j.seq_len, p.params)  # per token, by the source's rule
+    lay = f"tp{j.knobs.layout.tp} pp{j.knobs.layout.pp} dp{j.knobs.layout.dp} z{j.knobs.zero}"
+    flops = p.source.flops(j.model, j.knobs.seq_len, p.params)  # per token, by the source's rule
     pub_m, pred_m = p.tokens * flops / 1e12, x.tokens * flops / 1e12
     hw = x.time.hw_tflops_per_gpu
     mem = r["memory_gb"] or "-"
     chosen = ",".join(f"{k}={_knob(j, k)}" for k in p.tuned)
-    sw = p.software.name + ("+compile" if j.compile and not p.software.fused else "")
+    sw = p.software.name + ("+compile" if j.knobs.compile and not p.software.fused else "")
     return (f"{r['source'][:30]:<30} {r['model'][:14]:<14} {r['num_gpus'] + 'x' + r['gpu']:>13} "
-            f"{lay + ' mb' + str(j.micro_batch):<22} {sw:<16} {p.tokens:>9,.0f} "
+            f"{lay + ' mb' + str(j.knobs.micro_batch):<22} {sw:<16} {p.tokens:>9,.0f} "
             f"{x.tokens:>9,.0f} {x.error:>+7.1%} {pub_m:>7.0f} {pred_m:>6.0f} {hw:>7.0f} {mem:>7} "
             f"{x.memory_gib:>5.0f}  {chosen}")
 
 
 def _knob(job, k: str):
-    return {"micro_batch": job.micro_batch, "recompute": job.ac,
-            "vp": job.virtual_stages if job.schedule == "interleaved_1f1b" else 1}[k]
+    return {"micro_batch": job.knobs.micro_batch, "recompute": job.knobs.ac,
+            "vp": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" else 1}[k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> 
     for p in auto_rows(rows):
         x, res = auto(p, presets)
         best = res.ranked[0] if res.ranked else None
-        out.append(f"parallel=auto on {p.id} (global batch {x.job.global_batch}, software {p.software.name}):")
+        out.append(f"parallel=auto on {p.id} (global batch {x.job.knobs.global_batch}, software {p.software.name}):")
         out.append(f"  published layout: {describe(x.job)}: {x.tokens:,.0f} tokens/s per GPU predicted "
                    f"({p.tokens:,.0f} published)")
         if best:

@@ -6,12 +6,11 @@ search can price thousands of layouts at once. `job_of(cfg)` builds it from a co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import dataclass, field, fields, replace
 
 
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
-from hpctrain.core.spec import EngineSpec, Layout, build, engine_spec, ranks_per_node
+from hpctrain.core.spec import EngineSpec, Knobs, Layout, build, engine_spec, ranks_per_node
 from hpctrain.core.flops import param_counts
 
 GiB = 2**30
@@ -36,24 +35,12 @@ DTENSOR_RUNTIME_BYTES = 4 * 2**20
 
 @dataclass(frozen=True)
 class Job:
+    """One run as the planner prices it: the engine spec (what the engine does with the run's knobs, on
+    the cluster's nodes) and what only the planner needs beside it."""
     model: ModelConfig
     cluster: ClusterConfig
-    layout: Layout
-    seq_len: int
-    global_batch: int
-    micro_batch: int = 1
-    precision: str = "bf16"
-    zero: int = 3
-    ac: str = "none"  # none | full | selective (every ac_every-th block)
-    ac_every: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    offload: str = "none"  # none | cpu | nvme
+    spec: EngineSpec
     async_checkpoint: bool = False
-    grad_sync: str = "auto"  # auto | step | microbatch (parallel.grad_sync; the spec resolves auto)
-    pp_layers: tuple = ()  # blocks per pipeline stage (parallel.pp_layers); () = the automatic split
-    compile: bool = False  # train.compile: torch.compile fuses the elementwise kernels
-    sp_regather: bool = True  # parallel.sp_regather (the spec applies it with TP, uncompiled)
     # Whose buffers: "hpctrain" (torch autograd's gradient accumulation, torch.distributed.pipelining's
     # receive buffers) or "megatron" (gradients accumulated by the wgrad GEMM into a main-grad buffer,
     # pipeline receives allocated per transfer): published runs of Megatron-style stacks.
@@ -62,19 +49,17 @@ class Job:
     # residual stream were whole on every TP rank)
     sequence_parallel: bool = True
 
+    @classmethod
+    def of(cls, model: ModelConfig, cluster: ClusterConfig, knobs: Knobs, **planner) -> "Job":
+        return cls(model=model, cluster=cluster, spec=spec_on(model, cluster, knobs), **planner)
+
+    @property
+    def knobs(self) -> Knobs:
+        return self.spec.knobs
+
     @property
     def world(self) -> int:
-        return self.layout.world
-
-    @cached_property
-    def spec(self) -> EngineSpec:
-        """What the engine does with these knobs (hpctrain.core.spec): the planner prices that."""
-        c = self.cluster
-        return build(self.model, self.layout, zero=self.zero, precision=self.precision, offload=self.offload,
-                     schedule=self.schedule, virtual_stages=self.virtual_stages, global_batch=self.global_batch,
-                     micro_batch=self.micro_batch, seq_len=self.seq_len, ac=self.ac, ac_every=self.ac_every,
-                     compile=self.compile, nodes=c.nodes, ranks_per_node=ranks_per_node(c), device=c.device, sync=self.grad_sync,
-                     pp_layers=tuple(self.pp_layers), sp_regather=self.sp_regather)
+        return self.spec.layout.world
 
     @property
     def autocast(self) -> bool:
@@ -112,24 +97,29 @@ class Job:
         return p.holds_output(stage) if p else True
 
     def with_(self, **kw) -> "Job":
-        return replace(self, **kw)
+        """This job with other knobs (zero=1, layout=...), model, cluster or planner fields."""
+        knobs = {k: kw.pop(k) for k in list(kw) if k in KNOBS}
+        model, cluster = kw.pop("model", self.model), kw.pop("cluster", self.cluster)
+        return replace(self, model=model, cluster=cluster, spec=spec_on(model, cluster, replace(self.knobs, **knobs)),
+                       **kw)
+
+
+KNOBS = frozenset(f.name for f in fields(Knobs))
+
+
+def spec_on(model: ModelConfig, cluster: ClusterConfig, knobs: Knobs) -> EngineSpec:
+    """The engine spec of `knobs` on the cluster's nodes."""
+    return build(model, knobs, nodes=cluster.nodes, ranks_per_node=ranks_per_node(cluster), device=str(cluster.device))
 
 
 def job_of(cfg: Config, world: int | None = None) -> Job:
     """The planner's view of a composed config. The local launcher puts every rank on one machine."""
-    p, t = cfg.parallel, cfg.train
     spec = engine_spec(cfg, world)
     cluster = cluster_of(cfg)
     if (cluster.nodes, ranks_per_node(cluster)) != (spec.nodes, spec.ranks_per_node):
         cluster = replace(cluster, nodes=spec.nodes, tasks_per_node=spec.ranks_per_node,
                           gpus_per_node=spec.ranks_per_node if cluster.gpus_per_node else 0)
-    return Job(model=cfg.model, cluster=cluster,
-               layout=spec.layout, seq_len=cfg.data.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
-               precision=t.precision, zero=p.zero, ac=p.ac, ac_every=p.ac_every,
-               schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, pp_layers=tuple(p.pp_layers),
-               offload=cfg.offload.target,
-               async_checkpoint=bool(cfg.checkpoint.async_save), grad_sync=str(p.grad_sync), compile=bool(t.compile),
-               sp_regather=bool(p.sp_regather))
+    return Job.of(cfg.model, cluster, spec.knobs, async_checkpoint=bool(cfg.checkpoint.async_save))
 
 
 def cluster_of(cfg: Config) -> ClusterConfig:
@@ -162,7 +152,7 @@ class StageParams:
 
 
 def stage_params(job: "Job", stage: int) -> StageParams:
-    m, tp = job.model, job.layout.tp
+    m, tp = job.model, job.knobs.layout.tp
     c = param_counts(m)
     # TP splits every matrix (vocab-parallel embedding and output included); norms are replicated.
     block = (c["per_block"] - 2 * m.dim) / tp + 2 * m.dim
@@ -174,7 +164,7 @@ def stage_params(job: "Job", stage: int) -> StageParams:
         total += c["embedding"] / tp
     if job.last(stage):
         # Tied embeddings on one stage share a tensor; across stages each end holds a copy.
-        out = c["embedding"] if (m.tie_embeddings and job.layout.pp > 1) else c["output"]
+        out = c["embedding"] if (m.tie_embeddings and job.knobs.layout.pp > 1) else c["output"]
         units.append(out / tp + m.dim)
         total += out / tp + m.dim
     return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0))
@@ -255,7 +245,7 @@ def stream_bytes(job: "Job") -> int:
     """Bytes per element of a parameter outside FSDP, and so of its gradient and of the residual stream
     the embedding starts (what crosses a pipeline boundary): fp32 under autocast, whose parameters are
     fp32; else the compute precision."""
-    return 4 if job.autocast else BYTES[job.precision]
+    return 4 if job.autocast else BYTES[job.knobs.precision]
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
@@ -319,17 +309,17 @@ def activations(job: Job, stage: int) -> dict:
     """Activation bytes of stage `stage` at their most (in_flight micro-batches): saved tensors of the
     in-flight micro-batches, the one block being recomputed, and the output layer's inputs on the last
     stage. Whether all of them are alive together with the gradients is decided in stage_memory."""
-    m, lay, pr = job.model, job.layout, job.precision
-    tokens = job.micro_batch * job.seq_len
+    m, lay, pr = job.model, job.knobs.layout, job.knobs.precision
+    tokens = job.knobs.micro_batch * job.knobs.seq_len
     layers = job.stage_layers(stage)
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
     full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
-    ckpt = checkpointed_layers(job.ac, layers, job.ac_every)
+    ckpt = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * full
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
         per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
                                     + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
-    held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
+    held = in_flight(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
 
 
@@ -368,30 +358,30 @@ class Memory:
 
 def transients(job: Job, sp: StageParams) -> dict:
     """Buffers that live for part of a step on top of state and saved activations."""
-    m, lay = job.model, job.layout
-    pb = BYTES[job.precision]
+    m, lay = job.model, job.knobs.layout
+    pb = BYTES[job.knobs.precision]
     out = {}
-    if job.zero == 2 and job.zero_group > 1 and not job.params_on_host:
+    if job.knobs.zero == 2 and job.zero_group > 1 and not job.params_on_host:
         # FSDP2 without resharding after forward: the gathered parameters (the model state's
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
-    if job.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
+    if job.knobs.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
         # Under pipelining ZeRO-3 does not reshard after forward (hpctrain.core.spec.sharding): a block
         # gathered for a micro-batch's forward stays gathered until its backward, and a stage runs
         # every block's forward before its first backward, so the whole stage is gathered at the peak.
         out["gathered_params"] = pb * sp.total
         out["fsdp_buffers"] = sp.largest_unit * REDUCE_BYTES
-    elif job.zero >= 3 and job.zero_group > 1:
+    elif job.knobs.zero >= 3 and job.zero_group > 1:
         # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
         # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
         out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)
-    elif job.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
+    elif job.knobs.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
         out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
     if job.spec.data_parallel in ("replicate", "replicate_zero1"):
         # FSDP2's replicate (ZeRO-0/1 with TP or PP) all-reduces each block's gradient in one fp32
         # buffer as the backward passes it: no persistent buckets.
         out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
-    elif job.zero <= 1 and lay.dp > 1:
+    elif job.knobs.zero <= 1 and lay.dp > 1:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
@@ -407,7 +397,7 @@ def transients(job: Job, sp: StageParams) -> dict:
     if job.last(sp.stage):
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
         # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
-        out["logits"] = job.micro_batch * job.seq_len * m.vocab_size / lay.tp * (pb + 4 + 4)
+        out["logits"] = job.knobs.micro_batch * job.knobs.seq_len * m.vocab_size / lay.tp * (pb + 4 + 4)
     return out
 
 
@@ -424,7 +414,7 @@ def pipeline_buffers(job: Job, stage: int) -> float:
     if p is None or job.engine != "hpctrain":
         return 0.0
     inputs = sum(1 for s in p.stage_ids(stage) if s != 0)
-    saved = min(in_flight(job.schedule, job.layout.pp, job.microbatches, job.virtual_stages, stage) * inputs,
+    saved = min(in_flight(job.knobs.schedule, job.knobs.layout.pp, job.microbatches, job.knobs.virtual_stages, stage) * inputs,
                 inputs * job.microbatches)
     return boundary_bytes(job) * (pipeline_receives(job, stage) - saved)
 
@@ -440,8 +430,8 @@ def pipeline_receives(job: Job, stage: int) -> int:
 
 def boundary_bytes(job: Job) -> float:
     """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
-    tp = job.layout.tp if job.sequence_parallel else 1
-    return job.micro_batch * job.seq_len * job.model.dim / tp * stream_bytes(job)
+    tp = job.knobs.layout.tp if job.sequence_parallel else 1
+    return job.knobs.micro_batch * job.knobs.seq_len * job.model.dim / tp * stream_bytes(job)
 
 
 def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> float:
@@ -457,7 +447,7 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     the wgrad GEMM itself."""
     if job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1"):
         return 0.0
-    m, tp = job.model, job.layout.tp
+    m, tp = job.model, job.knobs.layout.tp
     head_dim = m.dim // m.n_heads
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
     if job.last(sp.stage):
@@ -475,7 +465,7 @@ def all_reduce_buffers(job: Job, sp: StageParams) -> float:
     gradients themselves; after that they come beside them: one more fp32 gradient of the stage, of
     the shard's size. Reducing once per step (parallel.grad_sync=step) the one reduction's buffers
     become the gradients."""
-    fsdp_all_reduce = (job.zero >= 2 and job.layout.dp_replicate > 1
+    fsdp_all_reduce = (job.knobs.zero >= 2 and job.knobs.layout.dp_replicate > 1
                        or job.spec.data_parallel in ("replicate", "replicate_zero1"))
     if (job.engine != "hpctrain" or not fsdp_all_reduce or job.microbatches == 1 or job.params_on_host
             or job.spec.grad_sync != "microbatch"):
@@ -503,27 +493,27 @@ def accumulated_grads(job: Job, sp: StageParams) -> float:
     gradients, unsharded, from the first backward to the end of the last. FSDP2's replicate (ZeRO-0/1
     with TP or PP) accumulates the same way, and its all-reduce writes each gradient anew beside it."""
     replicate = job.spec.data_parallel in ("replicate", "replicate_zero1")
-    if not (job.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
+    if not (job.knobs.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
         return 0.0
     return REDUCE_BYTES * sp.total if job.spec.grad_sync == "step" else 0.0
 
 
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
-    lay = job.layout
+    lay = job.knobs.layout
     sp = stage_params(job, stage)
-    dev, off = model_state(sp.total, job.precision, job.zero, job.zero_group, job.offload, job.params_on_host,
+    dev, off = model_state(sp.total, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload, job.params_on_host,
                            job.autocast)
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,
     # the last one's logits, no gradients yet: they are None between steps) and the rest of the step
     # (the gradients with the micro-batches still or again in flight, logits if a forward runs then).
-    held = in_flight(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
-    held_g = in_flight_with_grads(job.schedule, lay.pp, job.microbatches, job.virtual_stages, stage)
+    held = in_flight(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
+    held_g = in_flight_with_grads(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
     logits = extra.pop("logits", 0.0)
     accum = accumulated_grads(job, sp)
-    if accum and job.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
+    if accum and job.knobs.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
     second = accumulation_transient(job, sp, acts["activations"] / held)
     # A third: the end of a backward that follows another, with every unit's all-reduce buffer beside
@@ -568,20 +558,20 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     churn = sum(v for k, v in dev.items() if k not in persistent)
     dev["fragmentation"] = FRAGMENTATION * churn
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB
-    if job.cluster.device == "cpu" and (lay.tp > 1 or job.zero >= 2):
+    if job.cluster.device == "cpu" and (lay.tp > 1 or job.knobs.zero >= 2):
         dev["dtensor_runtime"] = float(DTENSOR_RUNTIME_BYTES)
     host = {"process": float(HOST_BASE_BYTES[str(job.cluster.device)])}
     nvme = 0.0
     off = {k: v for k, v in off.items() if v}
-    if job.offload == "cpu":
+    if job.knobs.offload == "cpu":
         host.update(off)
-    elif job.offload == "nvme":
+    elif job.knobs.offload == "nvme":
         nvme = off.pop("master", 0.0) + off.pop("moments")
         host.update(off)
         # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
         host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
     if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
-        state = dict(model_state(sp.total, job.precision, job.zero, job.zero_group, "none",
+        state = dict(model_state(sp.total, job.knobs.precision, job.knobs.zero, job.zero_group, "none",
                                  autocast=job.autocast)[0])
         host["checkpoint_staging"] = state["params"] + state["master"] + state["moments"]
     return dev, host, nvme
@@ -623,9 +613,9 @@ def memory_problems(job: Job, mem: Memory) -> list[str]:
     if mem.host_per_node > mem.host_limit:
         out.append(f"host memory: {gib(mem.host_per_node)} per node > {gib(mem.host_limit)} "
                    f"(cluster.host_mem_gb). Fix: offload.target=nvme or more ranks to shard over")
-    if job.offload == "nvme" and not mem.nvme_limit:
+    if job.knobs.offload == "nvme" and not mem.nvme_limit:
         out.append("NVMe: this cluster has none for offloaded state (cluster.nvme_gb=0). Fix: offload.target=cpu")
-    elif job.offload == "nvme" and mem.nvme_per_node > mem.nvme_limit:
+    elif job.knobs.offload == "nvme" and mem.nvme_per_node > mem.nvme_limit:
         out.append(f"NVMe: {gib(mem.nvme_per_node)} per node > {gib(mem.nvme_limit)} (cluster.nvme_gb). "
                    "Fix: offload.target=cpu or more nodes")
     return out
@@ -634,22 +624,22 @@ def memory_problems(job: Job, mem: Memory) -> list[str]:
 def _memory_fix(job: Job, big: str) -> str:
     if big == "pipeline_buffers":  # one per micro-batch, per direction, per stage a rank runs
         fixes = ["fewer micro-batches a step (a larger train.micro_batch or a smaller train.global_batch)"]
-        if job.virtual_stages > 1:
+        if job.knobs.virtual_stages > 1:
             fixes.append("fewer parallel.pp_virtual_stages")
         return "Fix: " + ", ".join(fixes + ["more parallel.tp"])
     if big in ("weight_casts", "cast_grads"):  # autocast's bf16 copies of fp32 weights; FSDP2 gathers bf16 unit by unit
         return "Fix: parallel.zero=3 (FSDP2 keeps no bf16 copy of the whole stage) or more parallel.tp/pp"
     if big in ("activations", "recompute", "logits"):
         fixes = []
-        if job.ac != "full":
+        if job.knobs.ac != "full":
             fixes.append("parallel.ac=full")
-        if job.micro_batch > 1:
+        if job.knobs.micro_batch > 1:
             fixes.append("a smaller train.micro_batch")
         fixes.append("more parallel.tp or parallel.pp")
         return "Fix: " + ", ".join(fixes)
-    if job.zero < 3:
-        return f"Fix: parallel.zero={job.zero + 1} or more data-parallel ranks"
-    if job.offload == "none":
+    if job.knobs.zero < 3:
+        return f"Fix: parallel.zero={job.knobs.zero + 1} or more data-parallel ranks"
+    if job.knobs.offload == "none":
         return "Fix: offload.target=cpu, more ranks, or more parallel.tp/pp"
     return "Fix: more ranks, or more parallel.tp/pp"
 

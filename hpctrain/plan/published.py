@@ -21,7 +21,7 @@ from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import Job, memory
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
                                       MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
-from hpctrain.core.spec import Layout
+from hpctrain.core.spec import Knobs, Layout
 
 CSV = Path(__file__).with_name("published.csv")
 
@@ -267,15 +267,15 @@ def published(r: dict) -> Published:
     value = _float(r[src.column])
     p.tokens = value if src.column == "tokens_per_s_per_gpu" else value * 1e12 / src.flops(m, s, n)
     zero = _int(r["zero"], 3)
-    base = Job(model=m, cluster=cluster_for(r["gpu"], gpus), layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp),
-               seq_len=s, global_batch=_int(r["global_batch"]), precision="bf16", zero=zero,
-               compile=src.compile or "compile" in r["notes"],
-               # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them;
-               # Megatron-LM of 2021 had no sequence parallelism.
-               sp_regather=p.software is MEGATRON, sequence_parallel=p.software.sequence_parallel,
-               engine=p.software.engine)
+    knobs = Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), global_batch=_int(r["global_batch"]),
+                  seq_len=s, precision="bf16", zero=zero, compile=src.compile or "compile" in r["notes"],
+                  # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
+                  sp_regather=p.software is MEGATRON)
+    # Megatron-LM of 2021 had no sequence parallelism.
+    base = Job.of(m, cluster_for(r["gpu"], gpus), knobs, sequence_parallel=p.software.sequence_parallel,
+                  engine=p.software.engine)
     knobs, p.tuned = _choices(r, src, m, dp, pp)
-    jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.micro_batch * dp == j.global_batch]
+    jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.knobs.micro_batch * dp == j.knobs.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
     # or any value where none does (the engine then needs less memory than the model says).
     p.candidates = [j for j in jobs if not p.tuned or fits(j, src)] or jobs
@@ -291,7 +291,7 @@ def fits(job: Job, src: Source) -> bool:
     mem = memory(job)
     extra = 0.0
     if src.software.engine == "megatron":
-        extra += mem.device.get("unsharded_grads", 0.0) if job.zero <= 1 else 0.0
+        extra += mem.device.get("unsharded_grads", 0.0) if job.knobs.zero <= 1 else 0.0
     return mem.device_total - extra <= mem.device_limit
 
 

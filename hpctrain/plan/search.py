@@ -53,11 +53,11 @@ class SearchResult:
 
 
 def knobs(job: Job) -> dict:
-    lay = job.layout
+    lay = job.knobs.layout
     return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-            "zero": job.zero, "offload": job.offload, "ac": job.ac, "micro_batch": job.micro_batch,
-            "schedule": job.schedule if lay.pp > 1 else "-",
-            "virtual_stages": job.virtual_stages if job.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
+            "zero": job.knobs.zero, "offload": job.knobs.offload, "ac": job.knobs.ac, "micro_batch": job.knobs.micro_batch,
+            "schedule": job.knobs.schedule if lay.pp > 1 else "-",
+            "virtual_stages": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
             "grad_sync": job.spec.grad_sync,
             # Blocks per stage, automatic or parallel.pp_layers: equal splits compare equal either way.
             "pp_layers": list(job.spec.pipeline.layers) if job.spec.pipeline else []}
@@ -69,22 +69,22 @@ def overrides(job: Job) -> list[str]:
     out = [f"parallel.tp={k['tp']}", f"parallel.pp={k['pp']}", f"parallel.dp_replicate={k['dp_replicate']}",
            f"parallel.dp_shard={k['dp_shard']}", f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
            f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
-    if job.ac == "selective":
-        out.append(f"parallel.ac_every={job.ac_every}")
-    if job.zero >= 2 and job.layout.pp == 1:
+    if job.knobs.ac == "selective":
+        out.append(f"parallel.ac_every={job.knobs.ac_every}")
+    if job.knobs.zero >= 2 and job.knobs.layout.pp == 1:
         out.append(f"parallel.grad_sync={job.spec.grad_sync}")
-    if job.layout.pp > 1:
-        out.append(f"parallel.pp_schedule={job.schedule}")
-        if job.schedule == "interleaved_1f1b":
-            out.append(f"parallel.pp_virtual_stages={job.virtual_stages}")
-        if job.pp_layers:
-            out.append(f"parallel.pp_layers=[{','.join(map(str, job.pp_layers))}]")
+    if job.knobs.layout.pp > 1:
+        out.append(f"parallel.pp_schedule={job.knobs.schedule}")
+        if job.knobs.schedule == "interleaved_1f1b":
+            out.append(f"parallel.pp_virtual_stages={job.knobs.virtual_stages}")
+        if job.knobs.pp_layers:
+            out.append(f"parallel.pp_layers=[{','.join(map(str, job.knobs.pp_layers))}]")
     return out
 
 
 def layout_problems(job: Job) -> list[tuple[str, str]]:
     """(short reason, message) for what keeps a layout from running at all, before memory."""
-    m, lay = job.model, job.layout
+    m, lay = job.model, job.knobs.layout
     out = []
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
@@ -94,21 +94,21 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     stages = job.spec.pipeline.stages if job.spec.pipeline else 1
     if stages > m.n_layers + 2:
         out.append(("stages > n_layers + 2",
-                    f"parallel.pp={lay.pp} with schedule {job.schedule} makes {stages} stages, more than "
+                    f"parallel.pp={lay.pp} with schedule {job.knobs.schedule} makes {stages} stages, more than "
                     f"model.n_layers={m.n_layers} blocks + the embedding and the output layer"))
-    if lay.dp < 1 or job.global_batch % (lay.dp * job.micro_batch):
+    if lay.dp < 1 or job.knobs.global_batch % (lay.dp * job.knobs.micro_batch):
         out.append(("global_batch % (dp x micro_batch)",
-                    f"train.global_batch={job.global_batch} is not divisible by data-parallel ranks "
-                    f"({lay.dp}) x train.micro_batch={job.micro_batch}"))
+                    f"train.global_batch={job.knobs.global_batch} is not divisible by data-parallel ranks "
+                    f"({lay.dp}) x train.micro_batch={job.knobs.micro_batch}"))
     if lay.pp > 1 and lay.dp >= 1 and job.microbatches < lay.pp:
         out.append(("micro-batches < pp", f"{job.microbatches} micro-batches per step for parallel.pp={lay.pp}: "
                                           "a pipeline needs at least pp micro-batches"))
-    if lay.pp > 1 and job.schedule == "interleaved_1f1b":
+    if lay.pp > 1 and job.knobs.schedule == "interleaved_1f1b":
         if job.microbatches % lay.pp:
             out.append(("interleaved: micro-batches % pp",
                         f"interleaved 1F1B needs micro-batches ({job.microbatches}) to be a multiple of pp={lay.pp}"))
-    if job.offload != "none" and job.zero < 1:
-        out.append(("offload needs zero >= 1", f"offload.target={job.offload} needs parallel.zero >= 1"))
+    if job.knobs.offload != "none" and job.knobs.zero < 1:
+        out.append(("offload needs zero >= 1", f"offload.target={job.knobs.offload} needs parallel.zero >= 1"))
     return out
 
 

@@ -134,10 +134,10 @@ class Hardware:
     def of(cls, job: Job) -> "Hardware":
         c = job.cluster
         # peak_tflops is the bf16 tensor-core peak; fp32 matmuls on GPUs run as TF32 at half of it.
-        scale = 0.5 if (job.precision == "fp32" and c.device == "cuda") else 1.0
+        scale = 0.5 if (job.knobs.precision == "fp32" and c.device == "cuda") else 1.0
         peak = c.peak_tflops * 1e12 * scale
         return cls(flops=peak * c.matmul_efficiency, attn_flops=peak * c.attention_efficiency,
-                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.precision])
+                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.knobs.precision])
 
     def gemm(self, m: float, k: float, n: float) -> float:
         """An (m x k) @ (k x n) GEMM as a smooth roofline: its FLOPs at the sustained rate plus the
@@ -212,7 +212,7 @@ def link(cluster: ClusterConfig, size: int, stride: int) -> tuple[float, float, 
 
 
 def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collective:
-    lay = job.layout
+    lay = job.knobs.layout
     size, stride = {"tp": (lay.tp, 1), "dp_shard": (lay.dp_shard, lay.tp), "dp": (lay.dp, lay.tp),
                     "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
                     "pp": (2, lay.tp * lay.dp)}[dim]
@@ -248,7 +248,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     """One block on one rank for one micro-batch of `tokens`: GEMMs (forward), attention (forward and
     backward) and memory-bound elementwise kernels (forward)."""
     sw = sw or HPCTRAIN
-    m, tp, s = job.model, job.layout.tp, job.seq_len
+    m, tp, s = job.model, job.knobs.layout.tp, job.knobs.seq_len
     hd = m.dim // m.n_heads
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
     # The four linears each sequence-parallel collective pairs with: wq|wk|wv after an all-gather, wo
@@ -266,7 +266,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
         bmm = heads * (hw.gemm(s, hd, s) + hw.gemm(s, s, hd))
         attn = bmm + scores * UNFUSED_SCORE_BYTES[0] / hw.hbm
         attn_bwd = 2 * bmm + scores * UNFUSED_SCORE_BYTES[1] / hw.hbm
-    b = FUSED_BYTES if (sw.fused or job.compile) else EAGER_BYTES
+    b = FUSED_BYTES if (sw.fused or job.knobs.compile) else EAGER_BYTES
     # RMSNorms and residual adds on the residual stream (1/tp of it with sequence parallelism); RoPE on
     # q and k; SwiGLU.
     stream = h / tp if job.sequence_parallel else h
@@ -276,8 +276,8 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
 
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
-    m, lay = job.model, job.layout
-    tokens = job.micro_batch * job.seq_len
+    m, lay = job.model, job.knobs.layout
+    tokens = job.knobs.micro_batch * job.knobs.seq_len
     layers = job.stage_layers(stage)
     first, last = job.first(stage), job.last(stage)
     lf = layer_fwd(job, hw, tokens, sw)
@@ -290,7 +290,7 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp)
         fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
         bwd += 2 * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
-    recomputed = checkpointed_layers(job.ac, layers, job.ac_every)
+    recomputed = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
     w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
     recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
 
@@ -369,7 +369,7 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     gathered from a micro-batch's forward to its backward). With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
     Gradients travel in fp32 (REDUCE_BYTES), parameters in the compute precision.
     """
-    lay, mb, P = job.layout, job.microbatches, st.params
+    lay, mb, P = job.knobs.layout, job.microbatches, st.params
     if lay.dp == 1:
         return
     fwd, bwd = st.fwd, st.bwd + st.recompute
@@ -379,19 +379,19 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     def hide(t: float, window: float) -> float:
         return _hide(t, window, st.units, sw.dp_overlap)
 
-    if job.zero == 0 or N == 1:
+    if job.knobs.zero == 0 or N == 1:
         colls = [_coll(job, "dp", "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
-    elif job.zero == 1 and sw.zero1 == "all_reduce":
+    elif job.knobs.zero == 1 and sw.zero1 == "all_reduce":
         # The parameters are fp32 (hpctrain.core.spec.dtypes); the broadcasts follow the optimizer step.
         colls = [_coll(job, "dp", "all_reduce", grad, 1), _coll(job, "dp_shard", "broadcast", P * 4, 1)]
         st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
-        per_mb = job.zero >= 2 and job.spec.grad_sync == "microbatch"
+        per_mb = job.knobs.zero >= 2 and job.spec.grad_sync == "microbatch"
         rs_count = mb if per_mb else 1
         # ZeRO-3 gathers for each micro-batch's forward, and again for its backward unless it keeps the
         # parameters gathered in between (under pipelining, hpctrain.core.spec.sharding).
-        gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.zero >= 3 else 1
+        gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.knobs.zero >= 3 else 1
         # one call per unit (FSDP's per-block groups, Megatron's buckets): each pays the latency
         u = st.units
         colls = [_coll(job, "dp_shard", "reduce_scatter", grad / u, rs_count * u),
@@ -401,9 +401,9 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
         reduce = u * (colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0))
         gather = u * colls[1].seconds
         bwd_gather = gather if job.spec.sharding.reshard_after_forward else 0.0
-        if job.zero >= 3 and per_mb:
+        if job.knobs.zero >= 3 and per_mb:
             st.zero_exposed = hide(gather, fwd) + hide(bwd_gather + reduce, bwd)
-        elif job.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
+        elif job.knobs.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
             st.zero_exposed = hide(gather, fwd) + hide(bwd_gather, bwd)
             st.dp_exposed = hide(reduce, bwd)
         else:
@@ -440,24 +440,24 @@ def stages_per_rank(job: Job) -> int:
 
 
 def bubble_divisor(job: Job) -> float:
-    if job.schedule == "interleaved_1f1b":
+    if job.knobs.schedule == "interleaved_1f1b":
         return float(stages_per_rank(job))
-    if job.schedule == "zero_bubble":
+    if job.knobs.schedule == "zero_bubble":
         return BUBBLE_DIVISOR["zero_bubble"] * stages_per_rank(job)
-    return BUBBLE_DIVISOR.get(job.schedule, 1.0)
+    return BUBBLE_DIVISOR.get(job.knobs.schedule, 1.0)
 
 
 def optimizer_time(job: Job, params: float) -> dict:
     """The Adam step on this rank's shard: on device (HBM-bound), or on the host with PCIe copies
     (cpu), plus NVMe reads and writes of master weights and moments pipelined with it (nvme)."""
     c = job.cluster
-    shard = params / job.zero_group if job.zero >= 1 else params
-    if job.offload == "none":
-        return {"optimizer": shard * ADAM_BYTES[job.precision] / (c.hbm_gbps * 1e9)}
+    shard = params / job.zero_group if job.knobs.zero >= 1 else params
+    if job.knobs.offload == "none":
+        return {"optimizer": shard * ADAM_BYTES[job.knobs.precision] / (c.hbm_gbps * 1e9)}
     rpn = ranks_per_node(c)
-    pcie = shard * (REDUCE_BYTES + BYTES[job.precision]) / (c.pcie_gbps * 1e9)
+    pcie = shard * (REDUCE_BYTES + BYTES[job.knobs.precision]) / (c.pcie_gbps * 1e9)
     cpu = shard * rpn / (c.host_adam_gparams * 1e9)
-    if job.offload == "nvme":
+    if job.knobs.offload == "nvme":
         cpu = max(cpu, 2 * 12 * shard * rpn / (c.nvme_gbps * 1e9))
     return {"optimizer": cpu, "offload_copies": pcie}
 
@@ -465,7 +465,7 @@ def optimizer_time(job: Job, params: float) -> dict:
 def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     """Step time of the slowest pipeline stage's ranks, and what it means in tokens/s and MFU."""
     hw = Hardware.of(job)
-    lay, mb = job.layout, job.microbatches
+    lay, mb = job.knobs.layout, job.microbatches
     # One rank of each distinct (blocks, embedding, output layer) shape: an uneven split
     # (parallel.pp_layers) can make any of them the slowest, which sets the steady-state pace.
     times = {r: stage_time(job, r, hw, sw) for r in pipeline_ranks(job)}
@@ -486,7 +486,7 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
         v = stages_per_rank(job)
         # the residual stream, sequence-parallel (Megatron-LM 2021 scattered it over TP for the hop too);
         # fp32 under autocast
-        msg = job.micro_batch * job.seq_len * job.model.dim / lay.tp * stream_bytes(job)
+        msg = job.knobs.micro_batch * job.knobs.seq_len * job.model.dim / lay.tp * stream_bytes(job)
         p2p = _coll(job, "pp", "send_recv", msg, 2 * mb * v)
         p2p.exposed = (1 - sw.pp_overlap) * p2p.total + 2 * (lay.pp - 1) * p2p.seconds
         colls.append(p2p)
@@ -495,11 +495,11 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     br.update(optimizer_time(job, max(t.params for t in times.values())))
     step = sum(br.values())
 
-    tokens = job.global_batch * job.seq_len
-    flops = train_flops_per_token(job.model, job.seq_len) * tokens
+    tokens = job.knobs.global_batch * job.knobs.seq_len
+    flops = train_flops_per_token(job.model, job.knobs.seq_len) * tokens
     tflops = flops / step / job.world / 1e12
-    recomputed = checkpointed_layers(job.ac, job.model.n_layers, job.ac_every)
-    hw_flops = flops + recompute_flops_per_token(job.model, job.seq_len, recomputed,
+    recomputed = checkpointed_layers(job.knobs.ac, job.model.n_layers, job.knobs.ac_every)
+    hw_flops = flops + recompute_flops_per_token(job.model, job.knobs.seq_len, recomputed,
                                                  last_linear=sw.recompute_last_linear) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpctrain.core.schema import ClusterConfig, ModelConfig
-from hpctrain.core.spec import Layout
+from hpctrain.core.spec import Knobs, Layout
 from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
@@ -38,8 +38,8 @@ def plan_dict(p: Plan) -> dict:
     """plan.json: what a run directory records about its predicted cost."""
     m, t, j = p.memory, p.time, p.job
     return {"model": j.model.name, "params": param_counts(j.model)["total"], "world": j.world,
-            "layout": knobs(j), "seq_len": j.seq_len, "global_batch": j.global_batch,
-            "microbatches": j.microbatches, "precision": j.precision, "feasible": p.fits, "problems": p.problems,
+            "layout": knobs(j), "seq_len": j.knobs.seq_len, "global_batch": j.knobs.global_batch,
+            "microbatches": j.microbatches, "precision": j.knobs.precision, "feasible": p.fits, "problems": p.problems,
             "memory_per_gpu_bytes": m.device_total, "memory_breakdown_bytes": m.device, "memory_stage": m.stage,
             "device_memory_bytes": m.device_limit, "host_memory_bytes": m.host_per_node,
             "host_memory_per_rank_bytes": m.host_per_rank, "nvme_bytes": m.nvme_per_node,
@@ -53,9 +53,9 @@ def describe(job: Job) -> str:
     k = knobs(job)
     s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}, zero {k['zero']}, "
          f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
-    if job.layout.pp > 1:
-        s += f", {job.schedule}" + (f" v{job.virtual_stages}" if job.schedule == "interleaved_1f1b" else "")
-    if job.zero >= 2 and job.microbatches > 1:
+    if job.knobs.layout.pp > 1:
+        s += f", {job.knobs.schedule}" + (f" v{job.knobs.virtual_stages}" if job.knobs.schedule == "interleaved_1f1b" else "")
+    if job.knobs.zero >= 2 and job.microbatches > 1:
         s += f", grad sync per {k['grad_sync'].replace('microbatch', 'micro-batch')}"
     return s
 
@@ -82,7 +82,7 @@ def summary(p: Plan) -> str:
              f"host per node {gib(m.host_per_node)} of {gib(m.host_limit)}: " + _parts(m.host_per_rank, gib)
              + f" per rank x {m.ranks_per_node}"
              + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
-             f"step {t.step_time_s:.3g} s ({j.microbatches} micro-batches of {j.micro_batch} x {j.seq_len}): "
+             f"step {t.step_time_s:.3g} s ({j.microbatches} micro-batches of {j.knobs.micro_batch} x {j.knobs.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
              f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per GPU), "
              f"{t.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {t.mfu:.1%}"
@@ -200,10 +200,10 @@ def megatron_job(row: tuple, cluster: ClusterConfig) -> Job:
     m = ModelConfig(name=name, dim=h, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=ffn,
                     vocab_size=131072, tie_embeddings=False)
     dp = gpus // (tp * pp)
-    return Job(model=m, cluster=cluster, layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp),
-               seq_len=4096, global_batch=batch, micro_batch=batch // dp if pp == 1 else 1, precision="bf16",
-               zero=1, ac="none", schedule="interleaved_1f1b" if pp > 1 else "1f1b",
-               virtual_stages=layers // pp if pp > 1 else 1)
+    return Job.of(m, cluster, Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), seq_len=4096,
+                                    global_batch=batch, micro_batch=batch // dp if pp == 1 else 1, precision="bf16",
+                                    zero=1, ac="none", schedule="interleaved_1f1b" if pp > 1 else "1f1b",
+                                    virtual_stages=layers // pp if pp > 1 else 1))
 
 
 def calibration(cluster: ClusterConfig, sw: Software = MEGATRON) -> list[dict]:
