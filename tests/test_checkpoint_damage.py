@@ -145,8 +145,27 @@ def test_preempted_then_resumed_matches_uninterrupted(tmp_path):
 def test_retention_keeps_newest_and_sweeps_temporaries(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp-step-00000001-dead").mkdir(parents=True)  # a torn save of a crash
-    trainer(run, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=2").fit()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000005", "step-00000006"]
+    trainer(run, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.keep_every=4").fit()
+    # the newest two, and step 4 a milestone (checkpoint.keep_every reaches the manager's retention)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004", "step-00000005", "step-00000006"]
+
+
+def test_retention_keeps_milestones(tmp_path):
+    """checkpoint.keep_every: multiples of it outlive the newest `keep` (mutant: the milestone test
+    dropped from doom, or keep_every not passed by the manager, leaves only the newest two)."""
+    from hpctrain.checkpoint.directories import doom
+    from hpctrain.core.rundir import DCP_METADATA, INFO, step_name
+
+    root = tmp_path / "checkpoints"
+    for step in range(1, 8):
+        d = root / step_name(step)
+        d.mkdir(parents=True)
+        (d / DCP_METADATA).write_bytes(b"")
+        (d / INFO).write_text("{}")
+    doomed = doom(root, keep=2, keep_every=3)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == \
+        [step_name(s) for s in (3, 6, 7)]
+    assert len(doomed) == 4  # steps 1, 2, 4, 5 renamed out of sight
 
 
 @pytest.mark.parametrize("blocking", [True, False])

@@ -90,6 +90,7 @@ def test_free_form_dicts_accept_new_keys():
 # (overrides, substrings the message must contain)
 REFUSED = {
     "unknown-key": (("train.stepz=1",), ("train.stepz", "Did you mean 'train.steps'")),
+    "negative-keep-every": (("checkpoint.keep_every=-1",), ("checkpoint.keep_every=-1", "Fix: checkpoint.keep_every=0")),
     "unknown-key-nested": (("checkpoint.asyncsave=true",), ("checkpoint.asyncsave", "Did you mean 'checkpoint.async_save'")),
     # renamed (a Python keyword kept the schema from being a plain dataclass): the new key is the fix
     "renamed-key": (("checkpoint.async=true",), ("checkpoint.async is now checkpoint.async_save",

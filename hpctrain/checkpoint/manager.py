@@ -264,7 +264,7 @@ class CheckpointManager:
         if self.rank == 0:
             final = store.commit(p.tmp, self.root, p.step, p.info)
             # Renamed out of sight now; deleting the bytes takes long and runs beside the training.
-            doomed = store.doom(self.root, self.cfg.keep, protect=final)
+            doomed = store.doom(self.root, self.cfg.keep, protect=final, keep_every=self.cfg.keep_every)
             self._join_purge()
             self._purge = threading.Thread(target=store.purge, args=(doomed,), name="checkpoint-purge", daemon=True)
             self._purge.start()

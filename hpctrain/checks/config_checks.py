@@ -78,6 +78,9 @@ def _positive(cfg: Config):
         yield f"eval.every={cfg.eval.every} must be 0 (no validation) or positive"
     if cfg.checkpoint.every < 0:
         yield f"checkpoint.every={cfg.checkpoint.every} must be 0 (save only when preempted) or positive"
+    if cfg.checkpoint.keep_every < 0:
+        yield (f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be 0 (no milestones) or positive. "
+               "Fix: checkpoint.keep_every=0")
     if cfg.optim.lr <= 0:
         yield f"optim.lr={cfg.optim.lr} must be positive"
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:

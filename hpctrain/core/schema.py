@@ -232,6 +232,9 @@ class CheckpointConfig:
     """Steps between saves; 0 = only when preempted."""
     keep: int = 3
     """Complete checkpoints kept, newest first."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (milestones to evaluate or branch
+    from later), beyond the newest `keep`; 0 = none."""
     # Was `checkpoint.async`, a Python keyword that kept the schema from being a plain dataclass.
     async_save: bool = False
     """Stage to host memory, write in the background (was `checkpoint.async`)."""
