@@ -5,6 +5,7 @@ every dry run) writes <run.dir>/plan.json: predicted memory per GPU, step time, 
 """
 from __future__ import annotations
 
+import shlex
 import sys
 
 
@@ -15,6 +16,12 @@ from hpctrain.plan.verdict import summary as plan_summary
 from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
 from hpctrain.core.spec import engine_spec
 from hpctrain.core.schema import Config
+from hpctrain.core.reference import groups_help
+from hpctrain.launch.multirun import multirun
+from hpctrain.launch.sbatch import SCRIPT_NAME, sbatch_script, source_root, write_script
+from hpctrain.launch.k8s import launch as write_manifest, preview
+from hpctrain.launch.supervise import supervise
+from hpctrain.launch.slurm import submit
 
 USAGE = """usage: python -m hpctrain [key=value ...] [group=option ...] [+experiment=NAME] [--cfg] [-h]
        python -m hpctrain -m [key=a,b ...] [group=x,y ...]
@@ -67,13 +74,9 @@ def summary(cfg: Config) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        from hpctrain.core.reference import groups_help  # conf/'s folders and files, read now
-
         print(USAGE.replace("{groups}", groups_help()))
         return 0
     if any(a in ("-m", "--multirun") for a in argv):
-        from hpctrain.launch.multirun import multirun
-
         return multirun([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
@@ -89,14 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {write_plan(the_plan, cfg.run.dir)}", flush=True)
         if cfg.dry_run:
             if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
-                from hpctrain.launch.sbatch import SCRIPT_NAME, sbatch_script, source_root
-
                 print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")
                 print(sbatch_script(cfg, cfg.run.dir, sys.executable, source_root()), end="")
                 print("---")
             if cfg.launcher.name == "k8s":  # the manifest, checked against the Kubernetes models; nothing written
-                from hpctrain.launch.k8s import preview
-
                 print(preview(cfg), end="")
             print("dry run: nothing started")
             return 0
@@ -113,26 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 def launch(cfg: Config, run_dir) -> int:
     """Start (local) or submit (Slurm) one prepared run directory."""
     if cfg.launcher.name == "local":
-        from hpctrain.launch.supervise import supervise
-
         return supervise(run_dir)
     if cfg.launcher.name == "sbatch":
-        import shlex
-
-        from hpctrain.launch.sbatch import source_root, write_script
-
         path = write_script(cfg, str(run_dir), sys.executable, source_root())
         how = f"bash {shlex.quote(str(path))}" if path.suffix == ".sh" else f"sbatch {shlex.quote(str(path))}"
         print(f"wrote {path}\nsubmit it with:\n  {how}\nits log: {run_dir}/logs/slurm-<jobid>.out")
         return 0
     if cfg.launcher.name == "slurm":
-        from hpctrain.launch.sbatch import source_root
-        from hpctrain.launch.slurm import submit
-
         return submit(cfg, run_dir, sys.executable, source_root())
     if cfg.launcher.name == "k8s":
-        from hpctrain.launch.k8s import launch as write_manifest
-
         return write_manifest(cfg, str(run_dir))
     raise AssertionError(f"launcher {cfg.launcher.name}: the schema admits no other")
 

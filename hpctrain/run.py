@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                   de.world, de.launcher)
         return 2
 
+    # torch (also imported by the modules below) takes seconds: only after the preemption handler
     import torch
     import torch.distributed as dist
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 def where_ranks_run(adir: Path) -> None:
     """<attempt dir>/ranks.json: the host and process id of every rank (the supervisor names nodes
     with it; a person, or a test, finds a rank's process)."""
+    # torch: imported by main() once the preemption handler is in place
     import torch.distributed as dist
 
     where = [None] * dist.get_world_size()

@@ -41,6 +41,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from hpctrain.core import faults
+from hpctrain.core.spec import backend_for
+from hpctrain.distributed import bootstrap
+from hpctrain.launch import local
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 # Operations whose buffer is split in `world` equal chunks: size is rounded to a multiple of world.
 SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -155,6 +160,7 @@ PERIOD = 251  # prime: chunks of different ranks never line up by accident
 
 
 def _fill(t, base, offset: int = 0) -> None:
+    # torch: bench.sweep and report.nccl_report import this module on the login node
     import torch
 
     p = base.numel()
@@ -212,6 +218,7 @@ def _reduce_patterns(r: int, world: int, exact_limit: int) -> tuple[list[int], l
 class Bench:
     def __init__(self, ops: Sequence[str], size_list: Sequence[int], dtype: str, warmup: int, iters: int,
                  device, backend: str, repeats: int = 1):
+        # torch: bench.sweep and report.nccl_report import this module on the login node
         import torch
         import torch.distributed as dist
 
@@ -355,8 +362,6 @@ class Bench:
     def _fault(self, result) -> None:
         """HPCTRAIN_FAULT="bench_corrupt:rank=R": rank R damages one element of each checked result,
         to prove that the check catches it (tests/test_bench_collectives.py)."""
-        from hpctrain.core import faults
-
         if faults.armed("bench_corrupt", rank=self.rank) and result.numel():
             result[result.numel() // 2] += 1
 
@@ -492,12 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     out_dir = Path(a.out_dir or f"outputs/bench/collectives-{_dt.datetime.now():%Y%m%d-%H%M%S}")
 
-    from hpctrain.distributed import bootstrap
-
     de = bootstrap.detect()
     if a.nproc > 1 and de.launcher == "single" and de.world == 1:
-        from hpctrain.launch import local
-
         out_dir.mkdir(parents=True, exist_ok=True)
         rest = _drop_option(argv, "--nproc")
         if a.out_dir is None:
@@ -522,11 +523,9 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
 
 
 def _run(a, ops, min_b, max_b, out_dir: Path, de) -> int:
+    # torch: bench.sweep and report.nccl_report import this module on the login node
     import torch
     import torch.distributed as dist
-
-    from hpctrain.distributed import bootstrap
-    from hpctrain.core.spec import backend_for
 
     backend = backend_for(a.backend, "cuda", torch.cuda.is_available())
     if max_b is None:

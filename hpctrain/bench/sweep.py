@@ -45,9 +45,10 @@ from typing import Any, Mapping, Sequence
 from omegaconf import OmegaConf
 
 from hpctrain.bench import collectives as C
-from hpctrain.core.compose import ConfigError, conf_dir
+from hpctrain.core.compose import ConfigError, compose, conf_dir
 from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.report import nccl_report as report
 
 
 class SweepConfigError(ConfigError):
@@ -296,8 +297,6 @@ def load(spec: str | Path | Mapping, overrides: Sequence[str] = ()) -> dict:
 def _cluster(name: str | None, overrides: dict):
     """The cluster group as the training launchers see it (composed and typed against the schema),
     with the sweep's own values for the keys it sets."""
-    from hpctrain.core.compose import compose
-
     if name and not (conf_dir() / "cluster" / f"{name}.yaml").is_file():
         known = sorted(p.stem for p in (conf_dir() / "cluster").glob("*.yaml"))
         raise SweepConfigError(f"cluster: {name!r} is not in conf/cluster/ (known: {', '.join(known)})")
@@ -517,6 +516,7 @@ def manifest(sw: Sweep) -> dict:
 
 def submit(sw: Sweep, force: bool = False):
     """Submit the sweep as one job array; returns the submitit jobs (one per element)."""
+    # heavy: submitit (~0.15 s), only when submitting
     import submitit
 
     mf = sw.out / "sweep.json"
@@ -596,8 +596,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours = [x for x in lines if "failed (srun exit" in x]  # run_element's own message, inside submitit's
         print(f"element {j.job_id} failed: {(ours or lines or [type(e).__name__])[-1].strip()}", file=sys.stderr)
     if a.report:
-        from hpctrain.report import nccl_report as report
-
         report.main([str(sw.out)])
     return 1 if failed else 0
 

@@ -16,16 +16,17 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
 from hpctrain.checkpoint import directories as store
+from hpctrain.checkpoint.safe import DamagedCheckpoint, SafeReader, check_files, read_metadata
+from hpctrain.checkpoint.hf_weights import export_hf
 
 
 def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
-    import torch
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
-
     md = read_metadata(step_dir)
     check_files(step_dir, md)
     keys = {k for k in md.state_dict_metadata if k.startswith("model.")}
@@ -42,8 +43,6 @@ def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
             flat[k[len("model."):]] = t
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
         save_file(flat, str(out), metadata={"format": "pt", "source": str(step_dir)})
     else:
         torch.save(flat, out)
@@ -84,12 +83,8 @@ def main(argv=None) -> int:
         print(f"error: {args.step_dir} is not a complete checkpoint (a step-NNNNNNNN directory with "
               f"{store.DCP_METADATA} and {store.INFO})", file=sys.stderr)
         return 2
-    from hpctrain.checkpoint.safe import DamagedCheckpoint
-
     try:
         if args.format == "hf":
-            from hpctrain.checkpoint.hf_weights import export_hf
-
             index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
             files = sorted(set(index["weight_map"].values()))
             print(f"wrote a Hugging Face Llama: {len(index['weight_map'])} tensors, "

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from hpctrain.core import hf_format as hf
 from hpctrain.core.compose import model_config
+from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
+from hpctrain.core.rundir import read_info
+from hpctrain.data.shards import read_meta
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,10 +38,6 @@ def load_hf(parts: list, path: str | os.PathLike, tied: bool) -> int:
     """Load a Hugging Face Llama's weights into this rank's model parts; all ranks call it together.
     `tied`: the output projection is the embedding (not stored separately). Returns how many tensors
     this rank loaded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     state = {}
     for part in parts:
         for name, t in get_model_state_dict(part).items():
@@ -61,12 +66,6 @@ def _plan_shards(sizes: list[tuple[str, int]], shard_bytes: int) -> list[list[st
 def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "keep",
               shard_bytes: int = 5 << 30) -> dict:
     """Write the checkpoint's model as a Hugging Face Llama directory; returns the index."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
-    from hpctrain.core.rundir import read_info
-
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     md = read_metadata(step_dir)
     check_files(step_dir, md)
@@ -126,10 +125,6 @@ def _copy_tokenizer(run_config: dict, out_dir: Path) -> dict:
     """Put the tokenizer the run trained with beside the weights (from the shard directory, else
     from model.init_from), so that AutoTokenizer loads the export as it is; returns the config.json
     keys naming its end-of-document id."""
-    import shutil
-
-    from hpctrain.data.shards import read_meta
-
     data = run_config.get("data", {})
     paths = [s["path"] for s in data.get("sources") or []] or [data.get("path")]
     candidates = [(p, (read_meta(p) or {}).get("eos_id")) for p in paths if p and p != "???"]

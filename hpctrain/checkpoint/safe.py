@@ -11,8 +11,12 @@ import os
 import pickle
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+from hpctrain.checkpoint import raw
 
 ALLOWED_MODULES = ("torch.distributed.checkpoint.", "collections")
 ALLOWED = {
@@ -31,8 +35,6 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module.startswith(ALLOWED_MODULES) or (module, name) in ALLOWED:
             return super().find_class(module, name)
-        import torch
-
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
@@ -58,16 +60,12 @@ class SafeReader(FileSystemReader):
         self.metadata = metadata
 
     def read_data(self, plan, planner):
-        from hpctrain.checkpoint import raw
-
         mine, rest = raw.split_plan(plan, self.storage_data)
         raw.read_raw(str(self.path), self.metadata, self.storage_data, mine, planner)
         return super().read_data(rest, planner)
 
     def read_metadata(self, *args, **kwargs):
         md = read_metadata(self.path)
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -98,8 +96,6 @@ def check_files(path: str | os.PathLike, md=None) -> None:
 
 def check_shapes(md, expected: dict[str, tuple]) -> None:
     """The checkpoint holds every tensor we will load, at the same global shape."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     problems = []
     for fqn, shape in expected.items():
         item = md.state_dict_metadata.get(fqn)

@@ -13,6 +13,7 @@ import copy
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 
 def _leaves(node, path=()):
@@ -27,14 +28,10 @@ def _leaves(node, path=()):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _signature(t: torch.Tensor) -> tuple:
-    from torch.distributed.tensor import DTensor
-
     spec = (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None
     loc = _local(t)
     return tuple(t.shape), tuple(loc.shape), loc.dtype, spec
@@ -68,8 +65,6 @@ class ReusingStager(AsyncStager):
         return self._staged
 
     def _build(self, state_dict: dict, leaves: list) -> None:
-        from torch.distributed.tensor import DTensor
-
         self._buffers = {}
         self._staged = _skeleton(state_dict)
         for path, v in leaves:

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Sequence
 
 from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.core import hf_format as hf
-from hpctrain.core.schema import Choice, Config, ModelConfig, register
+from hpctrain.core.schema import Choice, Config, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,11 @@ def conf_dir() -> Path:
         if (cand / "config.yaml").is_file():
             return cand
     raise ConfigError(f"cannot find hpctrain's conf/ directory next to {here}; reinstall hpctrain")
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    ConfigStore.instance().store(name="hpctrain_schema", node=Config)
 
 
 def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config:

@@ -1,9 +1,9 @@
 """Typed configuration: the schema Hydra composes `conf/` against.
 
 Every field here is a knob a user can set on the command line (`train.steps=10`). The dataclasses are
-registered in Hydra's ConfigStore as the schema of each group, so an unknown key or a wrong type is
-refused while composing, before any process starts. Checks that span several fields live in
-`hpctrain.checks.config_checks`.
+registered in Hydra's ConfigStore as the schema of each group (hpctrain.core.compose.register), so an
+unknown key or a wrong type is refused while composing, before any process starts. Checks that span
+several fields live in `hpctrain.checks.config_checks`.
 """
 from __future__ import annotations
 
@@ -535,10 +535,3 @@ class Config:
     dry_run: bool = False
     """Compose, check and plan (printed, and written to <run.dir>/plan.json), then stop: nothing
     starts, nothing is submitted."""
-
-
-def register() -> None:
-    """Register the schema with Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="hpctrain_schema", node=Config)

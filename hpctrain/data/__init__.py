@@ -4,6 +4,9 @@ reads shard metadata to check a config; the ranks batch samples into tensors wit
 hpctrain.train.sampler."""
 from __future__ import annotations
 from hpctrain.core.schema import Config
+from hpctrain.data.synthetic import SyntheticDataset
+from hpctrain.data.shards import ShardDataset
+from hpctrain.data.mixture import Mixture
 
 
 def build_dataset(cfg: Config, split: str = "train"):
@@ -11,14 +14,8 @@ def build_dataset(cfg: Config, split: str = "train"):
     token ids (input and target)."""
     d = cfg.data
     if d.source == "synthetic":
-        from hpctrain.data.synthetic import SyntheticDataset
-
         return SyntheticDataset(cfg.model.vocab_size, d.seq_len, d.seed, split)
-    from hpctrain.data.shards import ShardDataset
-
     if not d.sources:
         return ShardDataset(d.path, d.seq_len, split)
-    from hpctrain.data.mixture import Mixture
-
     return Mixture([ShardDataset(s.path, d.seq_len, split) for s in d.sources],
                    [float(s.weight) for s in d.sources], d.seed)

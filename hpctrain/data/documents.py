@@ -54,6 +54,7 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
 
 def _parquet(path: Path, field: str) -> Iterator[str]:
     try:
+        # optional dependency (pyarrow, the parquet extra)
         import pyarrow.parquet as pq
     except ImportError:
         raise CorpusError(f"{path} is Parquet, which needs pyarrow. Fix: pip install pyarrow") from None

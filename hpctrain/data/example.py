@@ -17,6 +17,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 EOS = "<|endoftext|>"
 KINDS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
@@ -52,8 +54,6 @@ def stdlib_documents(limit_bytes: int) -> Iterator[dict]:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE (the GPT-2 / Llama 3 family's scheme): any text encodes, nothing is unknown."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -15,6 +15,7 @@ import argparse
 import collections
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -105,8 +106,6 @@ def _encoded(encoder: Encoder, batches: Iterator[list[str]], workers: int):
         for b in batches:
             yield encoder.encode(b)
         return
-    import multiprocessing
-
     with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,)) as pool:
         window: collections.deque = collections.deque()
         for b in batches:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from hpctrain.data.shards import dtype_for
 
@@ -66,8 +67,6 @@ class Encoder:
 
     def _load(self):
         if self._tok is None:
-            from tokenizers import Tokenizer
-
             try:
                 self._tok = Tokenizer.from_file(self.path)
             except Exception as e:  # the Rust side reports a parse error as a plain Exception

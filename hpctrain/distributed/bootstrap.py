@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -97,6 +98,7 @@ def _mpi(env: Mapping[str, str]) -> DistEnv:
 
 def init(de: DistEnv, backend: str = "gloo", timeout_s: int = 300, threads: int = 0):
     """Start the default process group; returns the torch device this rank computes on."""
+    # torch: hpctrain.run imports this module before torch, once its preemption handler is in place
     import torch
     import torch.distributed as dist
 
@@ -126,10 +128,10 @@ def init(de: DistEnv, backend: str = "gloo", timeout_s: int = 300, threads: int 
 
 def _mpi_store(de: DistEnv, timeout: timedelta):
     """Rank 0 opens a TCPStore on a free port and tells everyone where it is over MPI."""
-    import socket
-
+    # torch: as in init()
     import torch.distributed as dist
-    from mpi4py import MPI  # imported only here: importing it initializes MPI
+    # mpi4py initializes MPI at import: only when MPI launched us
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != de.world:

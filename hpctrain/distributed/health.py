@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from hpctrain.core import faults
 
 log = logging.getLogger("hpctrain")
@@ -35,8 +38,6 @@ class Verdict:
 def _kernel(device, repeats: int = 5, iters: int = 8) -> float:
     """Best of `repeats` timings of `iters` square matmuls, a few ms each (best-of: a rank sharing its
     core with another process for a moment is not a sick node)."""
-    import torch
-
     size, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -75,9 +76,6 @@ def check(attempt_dir: Path, device, slowdown: float, rounds: int = 3) -> Verdic
     """Every rank calls this together, after the process group is up. A node found slow is measured
     again (up to `rounds` times): it is left out only if it is slow every time, because ranks that
     share cores (or a node that was busy for a moment) look slow once, a sick one always does."""
-    import torch
-    import torch.distributed as dist
-
     host = socket.gethostname()
     x = torch.ones(1024, device=device)
     dist.all_reduce(x)

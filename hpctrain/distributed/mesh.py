@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from hpctrain.core.spec import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -16,8 +18,6 @@ class Meshes:
 
 
 def build_mesh(layout: Layout, device_type: str) -> Meshes:
-    from torch.distributed.device_mesh import init_device_mesh
-
     shape = tuple(getattr(layout, d) for d in DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     dp = mesh[("dp_replicate", "dp_shard")]._flatten("dp")

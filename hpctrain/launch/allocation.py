@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.core.schema import ClusterConfig
+from hpctrain.checks.cluster_checks import minutes
 
 # cluster.<key> -> the sbatch option of the same name, where set.
 OPTIONAL = ("mem", "time", "partition", "account", "qos", "constraint", "exclude")
@@ -76,8 +77,6 @@ def submitit_parameters(options: dict[str, Any], own_srun: bool = False) -> dict
     batch process starts its own srun steps: submitit, which counts tasks from nodes x
     ntasks_per_node and waits for a result from each, is told of one task, and the allocation's shape
     goes to sbatch as additional parameters."""
-    from hpctrain.checks.cluster_checks import minutes
-
     params: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     shape = ("nodes", "ntasks-per-node") if own_srun else ()

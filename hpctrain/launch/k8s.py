@@ -58,12 +58,15 @@ The Job's spec cannot change once applied: after it ended (or to change it), `ku
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shlex
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
+
+import yaml
 
 from hpctrain.core.compose import ConfigError, to_yaml as config_yaml
 from hpctrain.checks.k8s_checks import gib_quantity, k8s_problems, memory_quantity, object_name, subdomain
@@ -221,8 +224,6 @@ def _on_claim(job: dict) -> bool:
 
 def to_yaml(objs: list[dict], path: Optional[str] = None) -> str:
     """The objects as one multi-document YAML file, after a comment saying how to use it."""
-    import yaml
-
     class Dumper(yaml.SafeDumper):
         pass
 
@@ -265,13 +266,12 @@ def validate(objs: list[dict]) -> None:
     Job's containers must name their image.
     Raises InvalidManifest. The client is imported here only: the login node otherwise never loads it."""
     try:
+        # optional and heavy (kubernetes, ~1 s): loaded only to validate a manifest
         import kubernetes.client.models as models
         from kubernetes.client.api_client import ApiClient
     except ImportError as e:
         raise InvalidManifest(f"validating the manifest needs the kubernetes client ({e}). "
                               "Fix: pip install 'hpctrain[k8s]'") from None
-    import inspect
-
     api = ApiClient()
     takes_text = "response_text" in inspect.signature(api.deserialize).parameters
 
@@ -331,6 +331,7 @@ def _first_difference(given: Any, back: Any, path: str = "") -> Optional[str]:
 def validation_note(objs: list[dict]) -> str:
     """validate() where the kubernetes client is installed; a line saying what was done."""
     try:
+        # optional dependency (kubernetes): its absence is noted, not an error
         import kubernetes
     except ImportError:
         return "not validated: the kubernetes client is not installed (pip install 'hpctrain[k8s]')"

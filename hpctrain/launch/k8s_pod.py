@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hpctrain.core.rundir import clear_outcome, read_outcome, write_atomic
+
 
 # pod_main's exit status when every rank saved after a signal and stopped (the pod, or a peer, was
 # asked to stop): the Job replaces the pods without counting a failure (podFailurePolicy Ignore).
@@ -79,8 +81,6 @@ class OutcomeWatch:
 
     def final(self) -> Optional[dict]:
         """This run's outcome, once written; None before."""
-        from hpctrain.core.rundir import read_outcome
-
         stamp = self._stamp()
         if stamp is None or stamp == self.initial:
             return None
@@ -93,8 +93,6 @@ def pod_main(argv: list[str], grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0
     rendezvous host, forward SIGTERM to it, and exit with pod_exit()'s status. Once the outcome is
     final, torchrun gets grace_s to end: its agents wait for each other before they exit, for one
     that was stopped by a signal up to 5 minutes, while its replacement could not join."""
-    from hpctrain.core.rundir import clear_outcome
-
     if "--" not in argv:
         print("usage: python -m hpctrain.launch.k8s_pod --run-dir DIR [--seed-config FILE] -- COMMAND...",
               file=sys.stderr)
@@ -108,8 +106,6 @@ def pod_main(argv: list[str], grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0
         return 2
     index = int(os.environ.get("JOB_COMPLETION_INDEX", "0") or 0)
     if seed is not None and not (run_dir / "config.yaml").is_file():
-        from hpctrain.core.rundir import write_atomic
-
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", seed.read_text())
     if index == 0:

@@ -20,12 +20,25 @@ import hashlib
 import itertools
 import json
 import re
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from hpctrain.core.compose import ConfigError, conf_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
+from hydra.errors import HydraException
+
+from hpctrain.core.compose import ConfigError, compose, conf_dir
 from hpctrain.core.schema import Config
+from hpctrain.launch.allocation import allocation
+from hpctrain.plan.verdict import plan_dict
+from hpctrain.plan.login import plan_one, write_plan
+from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
+from hpctrain.launch.supervise import supervise
+from hpctrain.launch.sbatch import source_root, write_array_script
+from hpctrain.launch.slurm import submit_array
 
 SWEEP_FILE = "sweep.json"
 MAX_ELEMENTS = 1000  # Slurm's default MaxArraySize is 1001
@@ -43,10 +56,6 @@ class Element:
 
 def expand(overrides: Sequence[str]) -> tuple[list[str], list[list[str]]]:
     """(the plain overrides, one list of key=value per element): Hydra's grammar and product order."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import Glob
-    from hydra.errors import HydraException
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
@@ -107,8 +116,6 @@ def element_overrides(fixed: Sequence[str], e: Element, sweep_dir: str) -> list[
 
 def same_allocation_problems(elements: list[Element]) -> list[str]:
     """A job array asks Slurm for one shape for every task."""
-    from hpctrain.launch.allocation import allocation
-
     shapes = {}
     for e in elements:
         a = allocation(e.cfg.cluster, "x")
@@ -142,8 +149,6 @@ def read_sweep(sweep_dir: str | Path) -> dict | None:
 # ------------------------------------------------------------------------------------- the command
 
 def _predicted(e: Element) -> str:
-    from hpctrain.plan.verdict import plan_dict
-
     d = plan_dict(e.plan)
     return (f"{d['step_time_s']:8.3f} s/step {d['tokens_per_s']:>12,.0f} tok/s "
             f"{d['memory_per_gpu_bytes'] / 2**30:6.2f} GiB/GPU (predicted)")
@@ -151,12 +156,6 @@ def _predicted(e: Element) -> str:
 
 def multirun(overrides: list[str]) -> int:
     """`python -m hpctrain -m ...`; returns the exit code."""
-    import sys
-
-    from hpctrain.core.compose import compose
-    from hpctrain.plan.login import plan_one, write_plan
-    from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
-
     try:
         if "--cfg" in overrides:
             raise ConfigError("--cfg shows one config: drop -m, or give one element's values")
@@ -202,13 +201,8 @@ def multirun(overrides: list[str]) -> int:
 
 
 def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
-    import shlex
-    import sys
-
     launcher = str(base.launcher.name)
     if launcher == "local":
-        from hpctrain.launch.supervise import supervise
-
         codes = []
         for e in elements:
             print(f"hpctrain: sweep element {e.index + 1}/{len(elements)}: {' '.join(e.overrides)}", flush=True)
@@ -218,15 +212,9 @@ def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
               + (f"; failed: {', '.join(e.name for e in failed)}" if failed else "")
               + f"\ncompare them: python -m hpctrain.report {shlex.quote(str(sweep_dir))}")
         return 1 if failed else 0
-    from hpctrain.launch.sbatch import source_root
-
     run_dirs = [str(e.cfg.run.dir) for e in elements]
     if launcher == "slurm":
-        from hpctrain.launch.slurm import submit_array
-
         return submit_array(base, sweep_dir, [e.cfg for e in elements], run_dirs, sys.executable, source_root())
-    from hpctrain.launch.sbatch import write_array_script
-
     path = write_array_script(elements[0].cfg, sweep_dir, run_dirs, sys.executable, source_root())
     how = f"bash {shlex.quote(str(path))}" if path.suffix == ".sh" else f"sbatch {shlex.quote(str(path))}"
     print(f"wrote {path}: one array task per element\nsubmit it with:\n  {how}\n"

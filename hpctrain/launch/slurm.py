@@ -26,6 +26,7 @@ from hpctrain.launch.allocation import allocation, submitit_parameters
 from hpctrain.launch.sbatch import exports
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.core.schema import Config
+from hpctrain.launch.supervise import supervise
 
 FOLDER = "submitit"
 
@@ -47,8 +48,6 @@ def executor_parameters(cfg: Config, pythonpath: Optional[str] = None) -> dict[s
 
 def run_task(run_dir: str) -> int:
     """What the job runs (submitit pickles a reference to this function): the run's supervisor."""
-    from hpctrain.launch.supervise import supervise
-
     rc = supervise(run_dir)
     if rc != 0:
         raise RuntimeError(f"the supervisor of {run_dir} ended with code {rc}; see the log above and "
@@ -93,6 +92,7 @@ def submit(cfg: Config, run_dir: str | os.PathLike, python: Optional[str] = None
            pythonpath: Optional[str] = None) -> int:
     """Submit (launcher.chain jobs, each after the previous); print the job ids, the run directory and
     how to follow the log. Returns an exit code."""
+    # heavy: submitit (~0.15 s); python -m hpctrain imports this module even for dry runs
     import submitit
 
     run_dir = Path(run_dir)

@@ -24,6 +24,7 @@ allocation kept alive with --no-kill, and requeue a job without a node. Both are
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -37,6 +38,7 @@ from hpctrain.launch.failures import Failure, classify, read_reports
 from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
                              read_jsonl, read_outcome, write_atomic, write_jsonl)
 from hpctrain.core.spec import world_size
+from hpctrain.launch.runners import LocalRunner, SrunRunner
 
 
 def say(msg: str) -> None:
@@ -210,10 +212,6 @@ class Supervisor:
 
 
 def supervise(run_dir: str | os.PathLike) -> int:
-    from hpctrain.launch.runners import LocalRunner, SrunRunner
-
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="hpctrain: %(message)s", stream=sys.stderr)
     run_dir = Path(run_dir).resolve()
     cfg = load(run_dir / "config.yaml")

@@ -260,6 +260,7 @@ def load(verbose: bool = False):
         why = _cpu_ok()
         if why is None:
             try:
+                # imports setuptools, which may be absent: a failed import falls back like a failed build
                 from torch.utils.cpp_extension import load_inline, verify_ninja_availability
 
                 verify_ninja_availability()

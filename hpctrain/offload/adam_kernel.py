@@ -27,6 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
+from hpctrain.offload import adam_cpp
+
 log = logging.getLogger("hpctrain")
 
 KERNELS = ("auto", "cpp", "compile", "fused")
@@ -104,7 +106,8 @@ def compiled(name: str) -> Optional[Callable]:
             if fn is None:
                 ensure_cache_dir()
                 try:
-                    import torch._dynamo  # noqa: F401  (an import error means no compile here)
+                    # heavy (seconds) and absent from some builds: an import error means no compile here
+                    import torch._dynamo  # noqa: F401
                     # float arguments change every step (lr, bias corrections): never specialize on them
                     torch._dynamo.config.specialize_float = False
                     # never fall back to eager silently (other rounding): raise, and AdamKernel switches
@@ -150,8 +153,6 @@ class AdamKernel:
         self.kind = kind
         self._cpp = None
         if kind in ("auto", "cpp"):
-            from hpctrain.offload import adam_cpp
-
             self._cpp = adam_cpp.load()
             if self._cpp is None and kind == "cpp":
                 raise RuntimeError(f"offload.kernel=cpp: the C++ kernel is unavailable ({adam_cpp.failure()})")
@@ -228,8 +229,6 @@ class AdamKernel:
 def memory_ceiling_kernel(copy: bool, impl: str = "compile") -> Callable:
     """A memory-only kernel with Adam's access pattern (benchmarks): fn(p, g, m, v[, out_bf16])."""
     if impl == "cpp":
-        from hpctrain.offload import adam_cpp
-
         mod = adam_cpp.load()
         if mod is None:
             raise RuntimeError(f"the C++ kernel is unavailable here: {adam_cpp.failure()}")

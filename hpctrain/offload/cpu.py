@@ -28,18 +28,21 @@ which a load may have replaced.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from hpctrain.offload.adam_kernel import AdamKernel
 from hpctrain.checkpoint.directio import aligned_empty, round_up
 from hpctrain.core.schema import OffloadConfig
 from hpctrain.offload.host_state import Chunk, HostStore, OffloadError, standalone
+from hpctrain.offload.nvme import NvmeStore
 
 log = logging.getLogger("hpctrain")
 
@@ -68,15 +71,11 @@ def settings(cfg: OffloadConfig | dict | None = None, **overrides) -> SimpleName
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def like_param(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`view` (this rank's part) presented as `p` is: a DTensor with p's mesh and placements."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(p, DTensor):
         return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
@@ -198,8 +197,6 @@ class HostAdamW(Optimizer):
         chunk = min(chunk, max(ALIGN_ELEMS, off))  # no buffer larger than the state itself
         kinds = MOMENTS
         if self.offload.target == "nvme":
-            from hpctrain.offload.nvme import NvmeStore
-
             master_in_file = any_master and bool(self.offload.master_on_nvme)
             kinds = MOMENTS + (("master",) if master_in_file else ())
             self._store = NvmeStore(off, kinds, self.offload, self._pin, chunk)
@@ -445,8 +442,6 @@ class _HostStreams:
 
     @staticmethod
     def stream(s):
-        import contextlib
-
         return contextlib.nullcontext()
 
 

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.checkpoint.directio import ALIGN, aligned_empty, open_direct
 from hpctrain.offload.aio import AsyncIO, Batch
@@ -56,8 +57,6 @@ def check_dir(path: Optional[str]) -> str:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 

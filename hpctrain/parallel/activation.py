@@ -2,12 +2,12 @@
 in backward; full: every block, selective: every `every`-th) and torch.compile."""
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
 def apply_ac(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full" or (mode == "selective" and i % every == 0):
             # Non-reentrant: composes with FSDP2 and DTensor; the wrapper's prefix is stripped from
@@ -19,8 +19,6 @@ def apply_ac(model: nn.Module, mode: str, every: int = 2) -> nn.Module:
 def apply_compile(model: nn.Module) -> nn.Module:
     """Compile block by block (torchtitan's choice): every block has the same code, so one graph is
     compiled and reused, and FSDP's per-block hooks stay outside the graphs."""
-    import torch
-
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
     return model

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -16,8 +19,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
     reduce-scatter is done (asynchronously into pinned memory), while backward goes on, and copies the
     updated shard to the device at the block's next all-gather: the host optimizer updates the
     parameters in place, with no transfer of its own."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
               offload_policy=CPUOffloadPolicy(pin_memory=pin_memory) if host_params else OffloadPolicy())
     blocks = list(model.layers.values())
@@ -32,8 +33,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
 
 
 def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = None if next(model.parameters()).device.type == "cpu" else [next(model.parameters()).device]
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
 
@@ -44,8 +43,6 @@ def apply_replicate(model: nn.Module, dp_mesh) -> nn.Module:
     overlaps the rest of the backward. Unlike DDP it takes tensor-parallel DTensor parameters (they
     become DTensors over (dp, tp), replicated over dp) and pipeline stages drive it the way they drive
     FSDP2 (gradient sync on a step's last backward only)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
     for block in model.layers.values():
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)

@@ -5,6 +5,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @torch.no_grad()
@@ -17,8 +18,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int, init_param_,
     parameter of scratch memory at a time. `param_device` (host memory, for optimizer offload) holds
     the parameters; the values are still generated on `device`, so they do not depend on where they live.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     model.to_empty(device=param_device or device)
     for name, p in model.named_parameters():
         # The plain model's name, whatever wraps the block (checkpointing, torch.compile).

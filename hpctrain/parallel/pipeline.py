@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining.schedules as S
 from torch import nn
 
 from hpctrain.core.spec import SINGLE_STAGE
@@ -39,8 +42,6 @@ def stage_module(model: nn.Module, stage: int, num_stages: int, blocks: tuple[in
 
 
 def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn):
-    import torch.distributed.pipelining.schedules as S
-
     cls = getattr(S, SCHEDULES[schedule])
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
@@ -56,9 +57,6 @@ def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn,
     travel in fp32 (exact for bf16 ones) after their shape (under tensor parallel a stage hands on its
     sequence shard). Only the rank of the last stage gets a non-zero loss.
     """
-    import torch
-    import torch.distributed as dist
-
     total = torch.zeros((), device=device)
     last = len(owner) - 1
     for x, y in micro:

@@ -14,7 +14,10 @@ kept per gathered input, and backward gathers it once for all the linears that s
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class _Saved:
@@ -28,8 +31,6 @@ class _Saved:
         self.full = None
 
     def unpack(self):
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
         if self.full is None:
             local = DTensor.from_local(self.shard, self.mesh, [Shard(self.dim)], run_check=False,
                                        shape=self.shape, stride=self.stride)
@@ -49,15 +50,11 @@ class _Hooks:
     """saved_tensors_hooks for one call of a module whose first input is the gathered DTensor."""
 
     def __init__(self, gathered):
-        import torch
-
         self.key = _storage(gathered)
         self.saved = {}  # (shape, stride) -> _Saved
         self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t):
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
         if not (isinstance(t, DTensor) and t.ndim >= 1 and all(isinstance(p, Replicate) for p in t.placements)
                 and _storage(t) == self.key):
             # Detached: a saved output kept with its grad_fn would hold its own node, a cycle no garbage
@@ -67,8 +64,6 @@ class _Hooks:
         k = (tuple(t.shape), t.stride())
         s = self.saved.get(k)
         if s is None:
-            import torch
-
             dim = max(range(t.ndim), key=lambda d: t.shape[d])  # tokens: the one that splits evenly
             with torch.no_grad():
                 shard = t.redistribute(t.device_mesh, [Shard(dim)]).to_local().clone()
@@ -85,9 +80,6 @@ def apply_sp_regather(model: nn.Module) -> nn.Module:
     """On every tensor-parallel module whose input is gathered (apply_tp's PrepareModuleInput and the
     output layer's ColwiseParallel, both forward pre-hooks registered before these), and not inside an
     activation-checkpointed block (which keeps only its input anyway)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.tensor import DTensor
-
     def enter(mod, args):
         x = args[0] if args else None
         if isinstance(x, DTensor):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import _get_fqns, get_model_state_dict, set_model_state_dict
 
 
 def _plain_optimizer(optimizer):
@@ -23,8 +24,6 @@ def _plain_optimizer(optimizer):
 
 
 def _named_params(parts: list[nn.Module]) -> dict[int, str]:
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
     names = {}
     for part in parts:
         for name, p in part.named_parameters():
@@ -42,16 +41,12 @@ class ModelState:
         self.parts = parts
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         out = {}
         for part in self.parts:
             out.update(get_model_state_dict(part))
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
         for part in self.parts:
             set_model_state_dict(part, {k: state[k] for k in get_model_state_dict(part)})
 

@@ -9,13 +9,12 @@ computed on the split logits (loss parallel), never materializing the full logit
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 
 def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
     root_plan = {}
     if model.tok_embeddings is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -51,8 +50,6 @@ def keep_grads_like_params(model: nn.Module) -> nn.Module:
     arrives in whatever placement DTensor's backward produced: the vocabulary-parallel embedding's
     comes back replicated, the whole vocab x dim tensor on every TP rank. Each gradient is laid out
     like its parameter as soon as it is accumulated (a local slice, no communication)."""
-    from torch.distributed.tensor import DTensor
-
     def relayout(p):
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)

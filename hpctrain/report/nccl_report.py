@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import yaml
+
 from hpctrain.bench.collectives import OPS, format_size, parse_size
 
 TRAINING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -362,13 +364,12 @@ def snippet(data: SweepData, res: dict) -> str:
         head.append(f"# The winner also unsets {k}: remove it from cluster.env.")
     if not env:
         head.append("# The winner sets no variables: keep the defaults.")
-    import yaml
-
     body = yaml.safe_dump({"env": env}, default_flow_style=False, sort_keys=False) if env else "env: {}\n"
     return "\n".join(head) + "\n" + body
 
 
 def plot(data: SweepData, res: dict, out_dir: Path) -> list[Path]:
+    # optional and heavy (matplotlib, ~1 s): only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

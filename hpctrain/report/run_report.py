@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
+from hpctrain.report import goodput
 
 GiB = 2**30
 
@@ -63,6 +64,7 @@ def load(run_dir: str | Path) -> Run:
 # ------------------------------------------------------------------------------------------ plots
 
 def _axes(n: int = 1, width: float = 6.5):
+    # optional and heavy (matplotlib, ~1 s): only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,8 +286,6 @@ def _plan_line(p: dict) -> str:
 def _goodput(run: Run) -> Optional[str]:
     if not run.attempts:
         return None
-    from hpctrain.report import goodput
-
     try:
         return goodput.report(goodput.measure(run.dir))
     except (ValueError, KeyError, ZeroDivisionError):
@@ -295,6 +295,7 @@ def _goodput(run: Run) -> Optional[str]:
 def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
     run = load(run_dir)
     try:
+        # optional dependency (matplotlib): say so before any work
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("the report draws with matplotlib, which is not installed. "

@@ -70,6 +70,7 @@ def table(rs: list[Row]) -> tuple[list[str], list[list[str]]]:
 
 
 def plot(rs: list[Row], out: Path) -> Optional[str]:
+    # optional and heavy (matplotlib, ~1 s): only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

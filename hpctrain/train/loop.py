@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
@@ -32,6 +37,9 @@ from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.progress import Progress, Schedule
 from hpctrain.train.stragglers import Stragglers
 from hpctrain.core.schema import Config
+from hpctrain.checkpoint.hf_weights import load_hf
+from hpctrain.parallel.pipeline import build_schedule, forward_only
+from hpctrain.train.trackers import from_config
 
 log = logging.getLogger("hpctrain")
 
@@ -47,8 +55,6 @@ class Outcome:
 def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """The global gradient norm over every shard on every mesh dimension (data, tensor, and the
     pipeline stages of other ranks); clips in place when max_norm > 0."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(norm, DTensor):
@@ -113,8 +119,6 @@ class Trainer:
         start from model.init_from's weights where given."""
         self.resumed_from = self.ckpt.resume(warn)
         if self.resumed_from is None and self.cfg.model.init_from:
-            from hpctrain.checkpoint.hf_weights import load_hf
-
             load_hf(self.parts, self.cfg.model.init_from, bool(self.cfg.model.tie_embeddings))
             log.info("weights from %s", self.cfg.model.init_from)
 
@@ -139,8 +143,6 @@ class Trainer:
         runs the matmuls in the spec's compute dtype where parameters are not cast (DDP, ZeRO-1)."""
         stack = contextlib.ExitStack()
         if self.spec.layout.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             stack.enter_context(loss_parallel())
         if self.spec.dtypes.autocast:
             stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.spec.dtypes.compute)))
@@ -151,10 +153,6 @@ class Trainer:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def _pipeline_schedule(self):
-        from torch.distributed.pipelining import PipelineStage
-
-        from hpctrain.parallel.pipeline import build_schedule
-
         stages = [PipelineStage(part, s, self.par.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.par.stage_indices)]
         return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self.loss_fn)
@@ -241,8 +239,6 @@ class Trainer:
                     logits = self.parts[0](x.to(self.device))
                     loss += _plain(self.loss_fn(logits, y.to(self.device)).detach()) / len(micro)
             return loss
-        from hpctrain.parallel.pipeline import forward_only
-
         p = self.spec.pipeline
         owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]
         with self._compute_context():
@@ -345,8 +341,6 @@ class Trainer:
     def _logger(self) -> Optional[MetricsLogger]:
         if self.rank != 0:
             return None
-        from hpctrain.train.trackers import from_config
-
         truncate_metrics(self.run_dir, self.step)
         logger = MetricsLogger(self.run_dir, self.cfg.train.steps,
                                trackers=from_config(self.cfg, self.run_dir, self.step))
@@ -383,17 +377,12 @@ class Trainer:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a (replicated) DTensor."""
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def truncate_metrics(run_dir: str, step: int) -> None:
     """Forget logged steps after the one we resume from: they are about to be trained again, and
     metrics.jsonl keeps one record per step of the run as it finally happened."""
-    import json
-    from pathlib import Path
-
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return

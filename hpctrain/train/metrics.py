@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from hpctrain.train.trackers import scalars
+
 log = logging.getLogger("hpctrain")
 
 
@@ -69,8 +71,6 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self._last_step = step
         if self.trackers:
-            from hpctrain.train.trackers import scalars
-
             numbers = scalars({k: record[k] for k in values})  # loss -> train/loss, val_loss -> val/loss
             for t in list(self.trackers):
                 self._guard(t, f"log (step {step})", t.log, step, numbers, record["time"])

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from hpctrain.offload import HostAdamW
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -26,10 +32,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the learning rate schedule drives this object's param_groups, copied to `optim` at each step."""
 
     def __init__(self, groups, optimizer_class, group, **kwargs):
-        import torch.distributed as dist
-
-        from torch.distributed.tensor import DTensor
-
         self.group = group
         self.rank = dist.get_rank(group)
         self._local = lambda p: p.to_local() if isinstance(p, DTensor) else p
@@ -46,8 +48,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        import torch.distributed as dist
-
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         loss = self.optim.step(closure)
@@ -74,17 +74,11 @@ def build_optimizer(params, o, total_steps: int, zero_group=None, offload=None, 
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **impl)
     optimizer_class = torch.optim.AdamW
     if offload is not None and offload.target != "none":
-        from functools import partial
-
-        from hpctrain.offload import HostAdamW
-
         optimizer_class = partial(HostAdamW, offload=offload)
         kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if shard_group is not None:
         opt = ShardedOptimizer(groups, optimizer_class, shard_group, **kwargs)
     elif zero_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                       process_group=zero_group, weight_decay=o.weight_decay, **kwargs)
         opt.add_param_group(groups[1])

@@ -34,6 +34,7 @@ class Preemption:
 
     def agreed(self, device=None, group=None) -> bool:
         """True on every rank if any rank was signalled. A collective: all ranks must call it."""
+        # torch: hpctrain.run imports this module before torch, to catch signals during that import
         import torch
         import torch.distributed as dist
 

@@ -13,6 +13,9 @@ import socket
 import statistics
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
 
 class Stragglers:
     def __init__(self, ratio: float, steps: int):
@@ -24,9 +27,6 @@ class Stragglers:
 
     def observe(self, step_time: float) -> dict:
         """Every rank calls this at the same steps; returns the spread (on every rank)."""
-        import torch
-        import torch.distributed as dist
-
         world = dist.get_world_size()
         if self.hosts is None:
             self.hosts = [None] * world

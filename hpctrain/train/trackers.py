@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,9 +80,6 @@ def params(config: dict, plan: dict | None, max_len: int = 6000, max_key: int = 
 
 def new_id(n: int = 8) -> str:
     """A W&B run id: lowercase letters and digits, as W&B makes them."""
-    import secrets
-    import string
-
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(n))
 
 
@@ -149,6 +148,7 @@ class TensorBoard(Tracker):
     name = "tensorboard"
 
     def start(self) -> str:
+        # optional dependency (tensorboard), imported by rank 0 only when enabled
         from torch.utils.tensorboard import SummaryWriter
 
         logdir = self.run.run_dir / "tensorboard"
@@ -185,6 +185,7 @@ class Wandb(Tracker):
         self.project, self.entity, self.mode, self.tags = project, entity, mode, list(tags)
 
     def start(self) -> str:
+        # optional dependency (wandb), imported by rank 0 only when enabled
         import wandb
 
         saved = load_ids(self.run.run_dir).get(self.name, {})
@@ -248,6 +249,7 @@ class MLflow(Tracker):
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         elif uri.startswith("file:") or ":" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # optional dependency (mlflow), imported by rank 0 only when enabled
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -293,6 +295,7 @@ class MLflow(Tracker):
             self.client.log_dict(self.run_id, records, "interruptions.json")
 
     def log(self, step: int, metrics: dict[str, float], when: float) -> None:
+        # optional dependency (mlflow)
         from mlflow.entities import Metric
 
         ms = int(when * 1000)

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 log = logging.getLogger("hpctrain")
 
 EXIT_HUNG = 75
@@ -122,8 +124,6 @@ def _dump_nccl_trace(path: Path) -> None:
     if not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
         return
     try:
-        import torch
-
         dump = torch._C._distributed_c10d._dump_nccl_trace()
         path.write_bytes(dump)
     except Exception as e:  # no NCCL in this build, or nothing recorded
