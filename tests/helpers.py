@@ -62,7 +62,11 @@ def check_snapshot(name: str, text: str) -> None:
 
 def set_key(cfg, key: str, value) -> None:
     """Set a dotted key on a composed (typed) config, as a hand-edited config.yaml would hold it;
-    free-form sections (cluster.env, cluster.sbatch_extra) are plain dicts."""
+    free-form sections (cluster.env, cluster.sbatch_extra) are plain dicts. The value is copied, so a
+    test that then changes the config leaves the constant it came from alone."""
+    import copy
+
+    value = copy.deepcopy(value)
     parent, _, leaf = key.rpartition(".")
     node = cfg
     for part in parent.split(".") if parent else ():

@@ -54,7 +54,7 @@ def config(case: str):
     if case == "h100_70b":
         cfg = compose(H100_LIKE)
         for key, value in H100_SET.items():
-            cfg.cluster[key] = value
+            set_key(cfg.cluster, key, value)
         return cfg
     if case == "hostile_name":
         cfg = compose(TINY)

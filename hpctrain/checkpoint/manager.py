@@ -23,8 +23,10 @@ import gc
 import json
 import logging
 import secrets
+import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,6 +42,7 @@ from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyL
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
 from hpctrain.core.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
 from hpctrain.core.faults import wrap_writer
+from hpctrain.core.schema import CheckpointConfig
 
 log = logging.getLogger("hpctrain")
 
@@ -85,7 +88,8 @@ def _holds_tensors(node) -> bool:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, cfg, state: dict, total_steps: int, meta: Optional[dict] = None):
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, state: dict, total_steps: int,
+                 meta: Optional[dict] = None):
         """`state`: name -> Stateful. `cfg`: the checkpoint section. `meta`: JSON written beside
         the state (the config, the layout) for people and tools; never read back into training."""
         self.run_dir, self.root = Path(run_dir), Path(run_dir) / "checkpoints"
@@ -188,8 +192,6 @@ class CheckpointManager:
     def _io_pool(self):
         """The writer threads, started once for the run."""
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(max(1, self.cfg.threads), thread_name_prefix="checkpoint-write")
         return self._pool
 
@@ -241,8 +243,6 @@ class CheckpointManager:
 
     def _abandon(self, tmp: Path, step: int, error: BaseException) -> None:
         """A save failed on some rank (full disk, I/O error): drop its pieces, keep the last good one."""
-        import shutil
-
         cause = _root_cause(error)
         free = store.free_bytes(self.root)
         space = free < 64 << 20

@@ -14,6 +14,9 @@ from hpctrain.core.compose import ConfigError, bad_choices, compose
 from hpctrain.core.disk import writable_dir_problem
 from hpctrain.core.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
 from hpctrain.core.schema import Config
+from hpctrain.checks import cluster_checks
+from hpctrain.checks.k8s_checks import k8s_problems
+from hpctrain.core.hf_format import problems as hf_problems
 
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -96,12 +99,10 @@ def _grad_sync(cfg: Config):
 
 
 @_check
-def _cluster_k8s(cfg):
+def _cluster_k8s(cfg: Config):
     """launcher=k8s: a pullable image, a shared volume for more than one node, valid names."""
     if cfg.launcher.name != "k8s":
         return
-    from hpctrain.checks.k8s_checks import k8s_problems
-
     yield from k8s_problems(cfg)
 
 
@@ -194,6 +195,7 @@ def _data(cfg: Config):
         return
     named = ([(f"data.sources[{i}].path", s.path, s.weight) for i, s in enumerate(d.sources)]
              if d.sources else [("data.path", d.path, 1.0)])
+    # heavy: numpy (~0.2 s), only when the config reads token shards
     from hpctrain.data.shards import longest_shard, read_meta
 
     metas = []
@@ -234,8 +236,6 @@ def _init_from(cfg: Config):
     """model.init_from: a Hugging Face Llama directory whose config.json and tensor shapes fit the
     model keys (read from headers only)."""
     if cfg.model.init_from:
-        from hpctrain.core.hf_format import problems as hf_problems
-
         yield from hf_problems(cfg.model, cfg.model.init_from)
 
 
@@ -244,9 +244,7 @@ def _cluster_time(cfg: Config):
     """Slurm launchers: a time limit sbatch takes, comfortably longer than the signal lead."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.checks.cluster_checks import time_problems
-
-    yield from time_problems(cfg)
+    yield from cluster_checks.time_problems(cfg)
 
 
 @_check
@@ -254,18 +252,14 @@ def _cluster_script(cfg: Config):
     """Slurm launchers: values that cannot be written into #SBATCH lines (line breaks, bad keys)."""
     if cfg.launcher.name not in ("slurm", "sbatch"):
         return
-    from hpctrain.checks.cluster_checks import script_problems
-
-    yield from script_problems(cfg)
+    yield from cluster_checks.script_problems(cfg)
 
 
 @_check
 def _container(cfg: Config):
     """cluster.container_* (pyxis): mounts pyxis can read, an image, no container with launcher=local.
     (The checkout mounted for hpctrain's code is checked where the batch script is written.)"""
-    from hpctrain.checks.cluster_checks import container_problems
-
-    yield from container_problems(cfg)
+    yield from cluster_checks.container_problems(cfg)
 
 
 @_check
@@ -274,11 +268,9 @@ def _cluster_partition(cfg: Config):
     Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
     if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
         return
-    from hpctrain.checks.cluster_checks import partition_facts, partition_problems
-
-    partitions = partition_facts()
+    partitions = cluster_checks.partition_facts()
     if partitions:
-        yield from partition_problems(cfg, partitions)
+        yield from cluster_checks.partition_problems(cfg, partitions)
 
 
 @_check

@@ -25,6 +25,9 @@ from typing import Callable, Optional
 
 import torch
 
+from hpctrain.core.schema import ProfileConfig
+from hpctrain.train.metrics import peak_rss_bytes
+
 log = logging.getLogger("hpctrain")
 
 STEP_NAME = "ProfilerStep#"  # torch.profiler's own name for a step's span
@@ -38,7 +41,7 @@ class Profiler:
     """Call begin(n) before optimizer step n (1-based) and end(n) after it (its checkpoint save
     included); close() after the loop, close(export=False) when it failed."""
 
-    def __init__(self, cfg, run_dir: str | os.PathLike, rank: int, device: torch.device,
+    def __init__(self, cfg: ProfileConfig, run_dir: str | os.PathLike, rank: int, device: torch.device,
                  event: Optional[Callable[[str], None]] = None):
         self.first, self.last = int(cfg.steps[0]), int(cfg.steps[1])
         self.run_dir, self.rank, self.device, self.event = run_dir, rank, device, event
@@ -177,8 +180,6 @@ class PhaseMemory:
             return torch.cuda.max_memory_allocated(self.device)
         kib = _proc_status_kib("VmHWM")
         if kib is None:
-            from hpctrain.train.metrics import peak_rss_bytes
-
             return peak_rss_bytes()
         return kib * 1024
 
