@@ -9,6 +9,13 @@ from __future__ import annotations
 import json
 import sys
 
+from hpctrain.checks.config_checks import problems
+from hpctrain.core.compose import ConfigError, compose
+from hpctrain.core.spec import world_size
+from hpctrain.plan import fit, published as pub, verdict as report
+from hpctrain.plan.memory import cluster_of, job_of
+from hpctrain.plan.search import Space, search
+
 USAGE = __doc__ + """
   +experiment=70b cluster=h100 cluster.nodes=8    what to plan (any hpctrain override)
   --top N        rows of the ranked table (10)
@@ -40,13 +47,6 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpctrain.core.compose import ConfigError, compose
-    from hpctrain.checks.config_checks import problems
-    from hpctrain.core.spec import world_size
-    from hpctrain.plan import verdict as report
-    from hpctrain.plan.memory import cluster_of, job_of
-    from hpctrain.plan.search import Space, search
-
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def published(argv: list[str]) -> int:
-    from hpctrain.plan import fit, published as pub
-
     rows = pub.load()
     use = pub.usable(rows)
     presets = None

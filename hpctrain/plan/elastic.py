@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from hpctrain.checks.config_checks import problems
 from hpctrain.core.compose import ConfigError
-from hpctrain.core.spec import ranks_per_node
 from hpctrain.core.schema import Config
+from hpctrain.core.spec import ranks_per_node
+from hpctrain.plan.login import plan_and_check
 
 
 def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optional[int]:
@@ -31,9 +33,6 @@ def micro_batch_for(global_batch: int, dp: int, wanted: int, pp: int) -> Optiona
 
 def shrink(cfg: Config, nodes: int) -> tuple[Config, str]:
     """(config for `nodes` nodes, what changed); raises ConfigError when no layout fits on that many."""
-    from hpctrain.checks.config_checks import problems
-    from hpctrain.plan.login import plan_and_check
-
     p, t = cfg.parallel, cfg.train
     world = nodes * ranks_per_node(cfg.cluster)
     fixed = p.tp * p.pp

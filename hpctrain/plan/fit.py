@@ -9,12 +9,16 @@ rows does not outvote one with few), on a coarse grid refined twice. Held-out ro
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import replace
 from typing import Callable, Iterable, Optional
 
+from hpctrain.core.compose import conf_dir
 from hpctrain.plan.published import GPUS, Prediction, Published, predict, preset, usable
+from hpctrain.plan.search import search
 from hpctrain.plan.throughput import throughput
+from hpctrain.plan.verdict import describe, explain
 
 FITTED = ("matmul_efficiency", "attention_efficiency")
 # Presets with no published 16-bit run to fit on, which take a fitted kind's constants (same tensor cores).
@@ -139,8 +143,6 @@ AUTO = ("llm_foundry_mpt | MPT 70b | 64xh100_80gb", "torchtitan_h100_202412 | Ll
 def auto(p: Published, presets: Optional[dict] = None):
     """(prediction of the published layout, search result) for the row's model, GPUs, global batch and
     sequence, both priced with the row's software profile."""
-    from hpctrain.plan.search import search
-
     x = predict(p, presets)
     return x, search(x.job, sw=p.software)
 
@@ -156,8 +158,6 @@ def auto_rows(rows: Optional[list] = None) -> list:
 
 
 def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> str:
-    from hpctrain.plan.verdict import describe, explain
-
     out = []
     for p in auto_rows(rows):
         x, res = auto(p, presets)
@@ -175,9 +175,7 @@ def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> 
 
 def write(fitted: dict) -> list:
     """Rewrite the fitted constants in conf/cluster/<kind>.yaml; returns the paths written."""
-    import re
 
-    from hpctrain.core.compose import conf_dir
 
     paths = []
     for k, v in [(c, fitted[k]) for k in fitted for c in (k, *SHARES.get(k, ()))]:

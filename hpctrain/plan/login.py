@@ -5,25 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-from hpctrain.core.compose import ConfigError
+from hpctrain.checks.config_checks import check, compose_checked
+from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.schema import Config
+from hpctrain.core.spec import world_size
+from hpctrain.plan.memory import job_of
+from hpctrain.plan.search import Space, nearest, overrides, search
+from hpctrain.plan.verdict import describe, explain, plan, plan_dict, summary
 
 
 def _space(for_launch: bool):
-    from hpctrain.plan.search import Space
-
     # A launch searches layouts without offload; a dry run may suggest it.
     return Space(offloads=("none",)) if for_launch else Space()
 
 
 def choose_layout(cfg: Config, for_launch: bool) -> list[str]:
     """Overrides of the fastest layout that fits (parallel=auto)."""
-    from hpctrain.core.spec import world_size
-    from hpctrain.plan.memory import job_of
-    from hpctrain.plan.verdict import explain
-    from hpctrain.plan.search import overrides, search
-
     res = search(job_of(cfg), _space(for_launch), world=world_size(cfg))
     if not res.ranked:
         raise ConfigError("parallel=auto: no layout of this model fits this cluster:\n" + explain(res, top=0))
@@ -32,11 +29,6 @@ def choose_layout(cfg: Config, for_launch: bool) -> list[str]:
 
 def plan_and_check(cfg: Config, for_launch: bool):
     """The requested layout's plan; raises ConfigError when it cannot fit."""
-    from hpctrain.core.spec import world_size
-    from hpctrain.plan.memory import job_of
-    from hpctrain.plan.verdict import describe, plan, summary
-    from hpctrain.plan.search import nearest, search
-
     job = job_of(cfg)
     p = plan(job)
     if p.fits:
@@ -51,8 +43,6 @@ def plan_and_check(cfg: Config, for_launch: bool):
 
 
 def write_plan(p, run_dir: str | Path) -> Path:
-    from hpctrain.plan.verdict import plan_dict
-
     path = Path(run_dir) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan_dict(p), indent=1, default=float))
@@ -62,9 +52,6 @@ def write_plan(p, run_dir: str | Path) -> Path:
 def plan_one(overrides: list[str], show=None):
     """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
     ConfigError names every problem."""
-    from hpctrain.core.compose import compose
-    from hpctrain.checks.config_checks import check, compose_checked
-
     cfg, refused = compose_checked(overrides)
     if cfg.parallel.auto and not refused:
         chosen = choose_layout(cfg, for_launch=not cfg.dry_run)

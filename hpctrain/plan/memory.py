@@ -6,12 +6,12 @@ search can price thousands of layouts at once. `job_of(cfg)` builds it from a co
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field, fields, replace
 
-
-from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
-from hpctrain.core.spec import EngineSpec, Knobs, Layout, build, engine_spec, ranks_per_node
 from hpctrain.core.flops import param_counts
+from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
+from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
@@ -129,8 +129,6 @@ def cluster_of(cfg: Config) -> ClusterConfig:
     if cfg.launcher.name == "local" and o.target == "nvme" and o.path:
         # A local run's "cluster" is this machine: its NVMe capacity is the free space under offload.path
         # (the cluster preset's nvme_gb describes a datacenter node, or none).
-        import shutil
-
         try:
             cluster = replace(cluster, nvme_gb=shutil.disk_usage(o.path).free / GiB)
         except OSError:

@@ -16,12 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpctrain.core.schema import ClusterConfig, ModelConfig
+from omegaconf import OmegaConf
+
+from hpctrain.core.compose import conf_dir
 from hpctrain.core.flops import param_counts
+from hpctrain.core.schema import ClusterConfig, ModelConfig
+from hpctrain.core.spec import Knobs, Layout
 from hpctrain.plan.memory import Job, memory
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
                                       MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
-from hpctrain.core.spec import Knobs, Layout
 
 CSV = Path(__file__).with_name("published.csv")
 
@@ -125,9 +128,7 @@ GPUS = {"a100_80gb": ("a100", {}), "a100_40gb": ("a100", {"device_mem_gb": 40, "
 @lru_cache(maxsize=None)
 def preset(kind: str) -> ClusterConfig:
     """A cluster preset of conf/cluster/ as a plain dataclass (no Hydra)."""
-    from omegaconf import OmegaConf
 
-    from hpctrain.core.compose import conf_dir
 
     return ClusterConfig(**OmegaConf.to_container(OmegaConf.load(conf_dir() / "cluster" / f"{kind}.yaml")))
 

@@ -142,6 +142,7 @@ def explain(res: SearchResult, top: int = 10, why: int = 3, request: Optional[Jo
 
 def save_memory_png(plans: list, path: str) -> str:
     """Stacked bars of device memory per GPU by kind, one per (label, Plan), against the device size."""
+    # optional and heavy (~1 s): only when a plot is asked for
     import matplotlib
 
     matplotlib.use("Agg")
