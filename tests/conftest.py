@@ -15,6 +15,20 @@ REPO = Path(__file__).resolve().parent.parent
 NODES = 2  # emulated nodes the Slurm tests need
 
 
+# Fixtures that start ranks, train a model or build a tokenizer: a test that uses one is slow.
+SLOW_FIXTURES = {"example_corpus", "example_shards", "world_of_one", "probed", "measured", "pipelined"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`pytest -m "not slow"` is the quick loop of pure tests (under 2 minutes on 2 cores): a test that
+    starts processes or trains a model carries `slow`, and so does every Slurm or GPU test and every
+    test that uses one of SLOW_FIXTURES."""
+    for item in items:
+        if item.get_closest_marker("slurm") or item.get_closest_marker("gpu") \
+                or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def slurm_problem(nodes: int = NODES) -> str | None:
     """Why the local Slurm cannot run the tests, or None."""
     if not shutil.which("sinfo") or not shutil.which("sbatch"):

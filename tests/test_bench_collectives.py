@@ -165,6 +165,7 @@ def _sweep(**over) -> dict:
     return raw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env,key,needle", [
     ({"NCCL_ALGO": "Rign"}, "NCCL_ALGO", "did you mean Ring?"),
     ({"NCCL_ALGO": "Ring,Bogus"}, "NCCL_ALGO", "Ring, Tree, CollnetDirect, CollnetChain, NVLS, NVLSTree, PAT"),
@@ -220,6 +221,7 @@ def test_bad_sweeps_are_refused(tmp_path, over, needle):
     assert needle in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_cli_refuses_before_submitting(tmp_path):
     out = tmp_path / "sw"
     p = subprocess.run([sys.executable, "-m", "hpctrain.bench.sweep", "local_gloo", "--out", str(out),
@@ -229,6 +231,7 @@ def test_cli_refuses_before_submitting(tmp_path):
     assert not out.exists()  # nothing written, nothing submitted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "conf" / "sweep").glob("*.yaml")))
 def test_ready_sweeps_validate(tmp_path, name):
     sw = S.build(S.load(name), tmp_path)
@@ -262,6 +265,7 @@ def test_null_unsets_a_variable(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Report.
 
+@pytest.mark.slow
 def test_report_on_recorded_sweep(tmp_path):
     d = tmp_path / "sweep"
     shutil.copytree(RECORDED, d)
@@ -314,6 +318,7 @@ def _write_synthetic(root: Path, settings: dict, perf: dict, failed=(), backend=
         (root / s / "results.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_report_chooses_the_large_message_winner(tmp_path):
     settings = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"},
                 "ll": {"NCCL_PROTO": "LL"}, "tiny_gain": {"NCCL_BUFFSIZE": "8388608"},

@@ -16,7 +16,7 @@ import pytest
 
 import yaml
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -56,12 +56,14 @@ def shard(run: Path, step: int) -> Path:
     return max(files, key=lambda f: f.stat().st_size)
 
 
+@pytest.mark.slow
 def test_resumes_from_newest(two_checkpoints):
     t, warnings = resume(two_checkpoints)
     assert t.step == 4 and warnings == []
     assert t.sampler.position == 4 * 4  # data position restored
 
 
+@pytest.mark.slow
 def test_truncated_shard_falls_back_with_warning(two_checkpoints):
     f = shard(two_checkpoints, 4)
     os.truncate(f, f.stat().st_size // 2)
@@ -71,12 +73,14 @@ def test_truncated_shard_falls_back_with_warning(two_checkpoints):
     assert any("older checkpoint step-00000002" in w for w in warnings)
 
 
+@pytest.mark.slow
 def test_missing_shard_falls_back_with_warning(two_checkpoints):
     shard(two_checkpoints, 4).unlink()
     t, warnings = resume(two_checkpoints)
     assert t.step == 2 and any("is missing" in w for w in warnings), warnings
 
 
+@pytest.mark.slow
 def test_missing_metadata_is_ignored_with_warning(two_checkpoints):
     (two_checkpoints / "checkpoints" / "step-00000004" / ".metadata").unlink()
     t, warnings = resume(two_checkpoints)
@@ -84,6 +88,7 @@ def test_missing_metadata_is_ignored_with_warning(two_checkpoints):
     assert any("step-00000004" in w and "not a complete checkpoint" in w for w in warnings), warnings
 
 
+@pytest.mark.slow
 def test_other_model_shape_is_refused_with_clear_error(two_checkpoints):
     with pytest.raises(NoUsableCheckpoint) as e:
         resume(two_checkpoints, "model.dim=64")
@@ -91,6 +96,7 @@ def test_other_model_shape_is_refused_with_clear_error(two_checkpoints):
     assert "different model" in msg and "shape" in msg and "Fix:" in msg
 
 
+@pytest.mark.slow
 def test_all_damaged_stops_with_clear_error(two_checkpoints):
     for step in (2, 4):
         shard(two_checkpoints, step).unlink()
@@ -99,6 +105,7 @@ def test_all_damaged_stops_with_clear_error(two_checkpoints):
     assert "step-00000002" in str(e.value) and "step-00000004" in str(e.value)
 
 
+@pytest.mark.slow
 def test_load_step_picks_an_older_one_and_names_bad_steps(two_checkpoints):
     t, _ = resume(two_checkpoints, "checkpoint.load_step=2")
     assert t.step == 2
@@ -111,6 +118,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.slow
 def test_metadata_pickle_with_foreign_objects_is_not_unpickled(two_checkpoints):
     meta = two_checkpoints / "checkpoints" / "step-00000004" / ".metadata"
     meta.write_bytes(pickle.dumps(_Evil()))
@@ -131,6 +139,7 @@ class StopAt(Preemption):
         return super().agreed(device, group)
 
 
+@pytest.mark.slow
 def test_preempted_then_resumed_matches_uninterrupted(tmp_path):
     whole = trainer(tmp_path / "a", "train.steps=6").fit().losses
     t = trainer(tmp_path / "b", "train.steps=6")
@@ -142,6 +151,7 @@ def test_preempted_then_resumed_matches_uninterrupted(tmp_path):
     assert first.losses + rest == whole
 
 
+@pytest.mark.slow
 def test_retention_keeps_newest_and_sweeps_temporaries(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp-step-00000001-dead").mkdir(parents=True)  # a torn save of a crash
@@ -168,6 +178,7 @@ def test_retention_keeps_milestones(tmp_path):
     assert len(doomed) == 4  # steps 1, 2, 4, 5 renamed out of sight
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blocking", [True, False])
 def test_later_saves_hold_current_values_and_replaced_tensors(tmp_path, blocking):
     """A save reuses the state dict of the previous one while its tensors are the same objects:
@@ -222,6 +233,7 @@ def test_disk_full_during_save_fails_cleanly(tiny_disk):
     assert list((run / "checkpoints").iterdir()) == []  # the torn pieces are gone
 
 
+@pytest.mark.slow
 def test_full_disk_refuses_next_save_and_keeps_previous(tiny_disk):
     # 8 MB: the first checkpoint fits, the second (beside the first) cannot.
     run = tiny_disk("8m") / "run"

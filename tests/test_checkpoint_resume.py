@@ -18,6 +18,8 @@ from hpctrain.train.metrics import read_metrics
 
 from helpers import REPO, run_cli
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 STEPS = 12
 COMMON = ("+experiment=tiny", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
           "optim.warmup_steps=2")

@@ -121,6 +121,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_refused_message_names_key_and_fix(case):
     overrides, expected = REFUSED[case]
@@ -132,6 +133,7 @@ def test_all_problems_reported_at_once():
     assert_mentions(msg, "3 problems", "train.precision", "train.global_batch", "parallel.zero")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("parallel.zero=0", "parallel.tp=2"), ("parallel.zero=1", "parallel.tp=2"),
     ("parallel.zero=0", "parallel.pp=2"), ("parallel.zero=1", "parallel.pp=2"),
@@ -164,6 +166,7 @@ def test_shards_dir_without_meta(tmp_path):
     assert_mentions(refusal("data=shards", f"data.path={tmp_path}"), f"data.path={tmp_path}", "meta.json")
 
 
+@pytest.mark.slow
 def test_shards_vocab_larger_than_model(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("hello world " * 50)
@@ -177,6 +180,7 @@ def test_shards_vocab_larger_than_model(tmp_path):
 # --- through the CLI, as a user runs it ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["unknown-key", "unknown-key-added", "wrong-type-int", "wrong-type-bool",
                                   "unknown-group-option", "product-not-world", "heads-not-divisible-by-tp",
                                   "global-batch", "shards-without-path", "bad-choice"])
@@ -190,6 +194,7 @@ def test_cli_refuses_with_exit_2_and_no_traceback(case, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_cli_dry_run_prints_summary_and_writes_only_the_plan(tmp_path):
     run_dir = tmp_path / "run"
     proc = cli(TINY, "dry_run=true", f"run.dir={run_dir}")
@@ -203,6 +208,7 @@ def test_cli_dry_run_prints_summary_and_writes_only_the_plan(tmp_path):
         assert key in plan, key
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_plan_that_cannot_fit_with_numbers(tmp_path):
     """70B on two 8 GiB CPU ranks: refused before anything starts, with the memory that shows why."""
     proc = cli(TINY, "model=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
@@ -213,6 +219,7 @@ def test_cli_refuses_a_plan_that_cannot_fit_with_numbers(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_dry_run_70b_on_64_h100(tmp_path):
     # Seconds, because it is arithmetic: tests/test_login_node.py asserts it imports no torch.
     proc = cli("+experiment=70b", "dry_run=true", f"run.dir={tmp_path / 'run'}")
@@ -220,6 +227,7 @@ def test_cli_dry_run_70b_on_64_h100(tmp_path):
     assert_mentions(proc.stdout, "70,553,706,496", "64 x h100", "tokens/s", "MFU", "GiB of 80.0 GiB")
 
 
+@pytest.mark.slow
 def test_parallel_auto_picks_a_feasible_layout(tmp_path):
     proc = cli("+experiment=70b", "parallel=auto", "dry_run=true", f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr
@@ -228,6 +236,7 @@ def test_parallel_auto_picks_a_feasible_layout(tmp_path):
     assert plan["feasible"] and plan["memory_per_gpu_bytes"] <= 80 * 2**30
 
 
+@pytest.mark.slow
 def test_cli_cfg_prints_yaml():
     proc = cli(TINY, "train.steps=7", "--cfg")
     assert proc.returncode == 0, proc.stderr

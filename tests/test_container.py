@@ -179,6 +179,7 @@ with open(os.path.join(run_dir, "outcome.json"), "w") as f:
 FAKE_SCONTROL = "#!/bin/sh\necho n1\n"
 
 
+@pytest.mark.slow
 def test_batch_script_runs_the_ranks_in_the_image(tmp_path):
     """The written job.sbatch, run by bash as Slurm would (fake srun and scontrol on PATH): its
     supervisor starts the ranks with pyxis's flags, the image's python and the attempt's port."""
@@ -218,12 +219,14 @@ def refusals(*overrides: str) -> list[str]:
     return [line[4:] for line in proc.stderr.splitlines() if line.startswith("  - ")]
 
 
+@pytest.mark.slow
 def test_mounts_without_image_refused():
     (msg,) = refusals("cluster.container_mounts=[/a]")
     assert msg.startswith("cluster.container_mounts=['/a'] is set but cluster.container_image is not")
     assert "Fix: cluster.container_image=<image>" in msg and "cluster.container_mounts=[]" in msg
 
 
+@pytest.mark.slow
 def test_bad_mounts_refused():
     found = refusals(f"cluster.container_image={IMAGE}",
                      "cluster.container_mounts=['/a:/b:ro,rw',data:/data,/c::/d,/e:rel,'/g:/h:ro x','/s p:/q']")
@@ -238,6 +241,7 @@ def test_bad_mounts_refused():
         assert msg.startswith(start) and fix in msg, (msg, start)
 
 
+@pytest.mark.slow
 def test_empty_or_relative_image_refused():
     (msg,) = refusals("cluster.container_image=''")
     assert msg.startswith("cluster.container_image='' is empty") and "Fix: cluster.container_image=<image>" in msg
@@ -245,12 +249,14 @@ def test_empty_or_relative_image_refused():
     assert msg.startswith("cluster.container_image=./pytorch.sqsh is a relative path") and "Fix:" in msg
 
 
+@pytest.mark.slow
 def test_image_with_local_launcher_refused():
     (msg,) = refusals("launcher=local", f"cluster.container_image={IMAGE}")
     assert msg.startswith(f"cluster.container_image={IMAGE} is set but launcher=local")
     assert "Fix: launcher=sbatch or launcher=slurm" in msg and "cluster.container_image=null" in msg
 
 
+@pytest.mark.slow
 def test_workdir_python_and_run_dir_refused():
     found = refusals(f"cluster.container_image={IMAGE}", "cluster.container_workdir=work",
                      "cluster.container_python=''", "run.dir='/a b,c/run'")
@@ -260,6 +266,7 @@ def test_workdir_python_and_run_dir_refused():
     assert found[2].startswith("run.dir '/a b,c/run' is mounted into the container") and "Fix:" in found[2]
 
 
+@pytest.mark.slow
 def test_good_container_passes_the_dry_run():
     proc = run_cli("+experiment=tiny", "launcher=sbatch", "cluster=local", "dry_run=true",
                    f"cluster.container_image={IMAGE}", "cluster.container_mounts=[/lustre/data,/l/t:/t:ro]",

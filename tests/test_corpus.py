@@ -46,6 +46,7 @@ def documents_of(stream: np.ndarray, eos: int) -> list[list[int]]:
     return [stream[a: b + 1].tolist() for a, b in zip(starts, ends)]
 
 
+@pytest.mark.slow
 def test_ids_are_the_tokenizers_encoding_with_eos_after_every_document(example_corpus, tmp_path):
     texts = corpus_texts(example_corpus)
     meta = prepare(example_corpus / "corpus.jsonl", tmp_path, example_corpus / "tokenizer.json",
@@ -59,6 +60,7 @@ def test_ids_are_the_tokenizers_encoding_with_eos_after_every_document(example_c
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_text_files_json_lines_and_parquet_give_the_same_stream(example_corpus, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -163,6 +165,7 @@ def test_a_corpus_with_no_documents_is_refused(tmp_path):
     assert not (tmp_path / "out" / META).exists()
 
 
+@pytest.mark.slow
 def test_bad_corpus_files_and_tokenizers_are_named_with_the_fix(example_corpus, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -193,6 +196,7 @@ def test_bad_corpus_files_and_tokenizers_are_named_with_the_fix(example_corpus, 
     assert list(read_meta(tmp_path / "o7")["splits"]) == ["train"]
 
 
+@pytest.mark.slow
 def test_login_node_refuses_a_tokenizer_larger_than_the_model(example_shards, tmp_path):
     proc = run_cli("+experiment=tiny", "data=shards", f"data.path={example_shards}", f"run.dir={tmp_path / 'run'}",
                    check=False)
@@ -203,6 +207,7 @@ def test_login_node_refuses_a_tokenizer_larger_than_the_model(example_shards, tm
     assert not (tmp_path / "run" / "logs").exists()  # no rank started
 
 
+@pytest.mark.slow
 def test_login_node_refuses_validation_without_a_split_and_mixed_tokenizers(example_corpus, example_shards, tmp_path):
     prepare(example_corpus / "corpus.jsonl", tmp_path / "noval", example_corpus / "tokenizer.json", val_fraction=0)
     bytes_dir = tmp_path / "bytes"

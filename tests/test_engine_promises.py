@@ -68,6 +68,7 @@ def _sharded(values: list, full: float, dp: int, slack: float) -> None:
         assert v <= full / dp + slack, (values, full, dp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,shape,layout,zero,precision", CASES,
                          ids=[f"{c[1]}-zero{c[3]}-{c[4]}" for c in CASES])
 def test_stage_and_precision_promises(probed, world, shape, layout, zero, precision):

@@ -65,6 +65,7 @@ def model_and_hf(shape: dict, tmp: Path, seq: int = 64):
     return ours.eval(), theirs, m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_logits_equal_transformers(tmp_path, name):
     ours, theirs, m = model_and_hf(SHAPES[name], tmp_path)
@@ -80,6 +81,7 @@ def test_logits_equal_transformers(tmp_path, name):
             assert ((plain(tokens) - b).abs().max() / b.abs().max()).item() > 1e-3
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     run = tmp_path / "run"
     run_cli("+experiment=tiny", "train.steps=3", "checkpoint.every=3", f"run.dir={run}")
@@ -106,6 +108,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     assert json.loads((out / hf.INDEX).read_text())["metadata"]["total_size"] == 459392 * 4
 
 
+@pytest.mark.slow
 def test_export_in_bf16_shards(tmp_path):
     run = tmp_path / "run"
     run_cli("+experiment=tiny", "train.steps=1", "checkpoint.every=1", f"run.dir={run}")
@@ -135,6 +138,7 @@ LAYOUTS = {2: ["parallel.zero=3", "parallel.tp=2 parallel.dp_shard=1", "parallel
               "parallel.zero=3 offload=cpu"]}
 
 
+@pytest.mark.slow
 def test_init_from_in_every_layout_starts_where_transformers_is(tmp_path):
     from reference import reference_run
 
@@ -155,6 +159,7 @@ def test_init_from_in_every_layout_starts_where_transformers_is(tmp_path):
         assert abs(got[layout][1] - second) <= 2e-5 * max(1, second), (layout, got[layout], second)
 
 
+@pytest.mark.slow
 def test_export_of_a_tp2_pp2_checkpoint_equals_the_one_rank_export(tmp_path):
     from safetensors.torch import load_file
 
@@ -179,6 +184,7 @@ def refusal(*overrides) -> str:
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_bad_hf_directories(tmp_path):
     cfg = compose(["+experiment=tiny"])
     good = hf_dir(cfg, tmp_path / "good")

@@ -93,6 +93,7 @@ def test_pure(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------- the Kubernetes API's schema
 
+@pytest.mark.slow
 def test_every_object_validates():
     two = k8s.manifest(two_nodes(), "/mnt/runs/llama-8b")
     assert [o["kind"] for o in two] == ["Service", "Job"]
@@ -339,6 +340,7 @@ LIGHT = textwrap.dedent("""
 """) % (ONE_NODE,)
 
 
+@pytest.mark.slow
 def test_login_node_stays_light():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", LIGHT], cwd=REPO, env=env, capture_output=True, text=True,
@@ -418,6 +420,7 @@ def run_pod(tmp_path, monkeypatch, index, how, seed=None, **kw):
     return rc, json.loads((run_dir / "fake.json").read_text())
 
 
+@pytest.mark.slow
 def test_pod_main(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     cfg = compose(ONE_NODE)
@@ -471,6 +474,7 @@ def test_single_node_launch_says_the_run_goes_with_the_pod(tmp_path, capsys):
     assert "goes with the pod" in (tmp_path / "tiny" / "k8s.yaml").read_text().split("---")[0]
 
 
+@pytest.mark.slow
 def test_the_cli_writes_the_manifest_and_refuses_a_missing_image(tmp_path):
     """`python -m hpctrain ... launcher=k8s`: a dry run prints the manifest and writes nothing; a launch
     writes <run.dir>/k8s.yaml (the same text as manifest_text) and says how to apply it."""

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from hpctrain.launch.local import launch, rank_env, signal_name
 
 from helpers import wait_until
@@ -44,6 +46,7 @@ def test_all_ranks_succeed(tmp_path, capfd):
     assert "failed" not in err
 
 
+@pytest.mark.slow
 def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, time
@@ -59,6 +62,7 @@ def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
     assert_others_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_exit_code_is_passed_on(tmp_path, capfd):
     rc = launch(tmp_path, 2, cmd=ranks(f"""
         import os, sys, time
@@ -72,6 +76,7 @@ def test_exit_code_is_passed_on(tmp_path, capfd):
     assert_others_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_rank_killed_by_signal(tmp_path, capfd):
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, signal, time
@@ -86,6 +91,7 @@ def test_rank_killed_by_signal(tmp_path, capfd):
     assert_others_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd):
     """A rank that ignores SIGTERM (or is busy saving) does not keep the launcher alive past the grace."""
     rc = launch(tmp_path, 2, grace_s=1.0, cmd=ranks(f"""

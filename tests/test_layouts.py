@@ -14,6 +14,8 @@ from hpctrain.launch.local import launch
 
 from reference import reference_run
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 STEPS = 4
 # fp32: layouts add the same numbers in other orders (shards, micro-batches, pipeline stages).
 LOSS_TOL = 2e-5

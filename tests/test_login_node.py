@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""

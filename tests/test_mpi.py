@@ -7,11 +7,15 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
 from hpctrain.core.rundir import prepare_run_dir
 
 from helpers import REPO, run_cli
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
 ARGS = ("+experiment=tiny", "train.steps=3")
 

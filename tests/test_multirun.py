@@ -62,6 +62,7 @@ def test_dir_names_are_override_dirnames_safe_for_paths():
     assert len(long) <= 200 and long != dir_name([f"k{i}=value" for i in range(61)])
 
 
+@pytest.mark.slow
 def test_sweep_refusals_name_every_bad_element_and_start_nothing(tmp_path):
     proc = run_cli("-m", "+experiment=tiny", "optim.lr=1e-3,-1,x", f"run.dir={tmp_path / 's'}", check=False)
     assert proc.returncode == 2
@@ -71,6 +72,7 @@ def test_sweep_refusals_name_every_bad_element_and_start_nothing(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_a_job_array_needs_one_allocation(tmp_path):
     proc = run_cli("-m", "+experiment=tiny", "launcher=sbatch", "cluster=local", "cluster.nodes=1,2",
                    f"run.dir={tmp_path / 's'}", "dry_run=true", check=False)
@@ -78,6 +80,7 @@ def test_a_job_array_needs_one_allocation(tmp_path):
     assert "different allocations" in proc.stderr and "a job array has one allocation" in proc.stderr
 
 
+@pytest.mark.slow
 def test_chain_needs_slurm():
     proc = run_cli("+experiment=tiny", "launcher.chain=2", "dry_run=true", check=False)
     assert proc.returncode == 2 and "launcher.chain=2 chains Slurm jobs" in proc.stderr

@@ -71,6 +71,7 @@ def reference():
 
 # ---------------------------------------------------------------- the kernel and the optimizer
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cpp", "compile", "fused"])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_torch_fused_adamw(kind, gdtype):
@@ -217,6 +218,7 @@ def _problems(*overrides):
     return refused + problems(cfg)
 
 
+@pytest.mark.slow
 def test_check_accepts_offload_and_refuses_bad_paths(tmp_path, tiny_disk):
     assert _problems("offload=cpu") == []
     assert _problems("offload=nvme", f"offload.path={tmp_path}") == []
@@ -271,6 +273,7 @@ def _snapshot(opt) -> dict:
     return {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["offload=cpu", "offload=nvme"])
 def test_checkpoint_carries_offloaded_state_and_resume_is_exact(world_of_one, tmp_path, offload):
     from hpctrain.checkpoint.safe import read_metadata
@@ -306,6 +309,7 @@ def test_checkpoint_carries_offloaded_state_and_resume_is_exact(world_of_one, tm
     assert os.listdir(od) == []
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_offload_and_device_state(world_of_one, tmp_path):
     """Same names in the checkpoint: a run without offload resumes with offload=nvme and vice versa."""
     od = tmp_path / "nvme"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from hpctrain.core.compose import conf_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,6 +24,7 @@ def test_conf_dir_holds_every_group():
             "experiment"} <= groups
 
 
+@pytest.mark.slow
 def test_wheel_carries_conf(tmp_path):
     import subprocess
     import sys

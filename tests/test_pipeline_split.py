@@ -43,6 +43,7 @@ def rank_costs(blocks, extra, owner) -> list:
 # --- the automatic split ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_split_sums_to_the_layers_with_a_block_on_every_middle_stage():
     for name, pp, sched, v in itertools.product(("tiny", "small", "8b", "70b", "405b"), (2, 3, 4, 8, 16),
                                                 SCHEDULES, (2, 4)):
@@ -125,6 +126,7 @@ def test_split_minimizes_the_busiest_rank_then_the_busiest_stage():
 BASE = ["+experiment=tiny", "model.n_layers=3", "launcher.nproc=2", "parallel.pp=2", "parallel.dp_shard=1"]
 
 
+@pytest.mark.slow
 def test_pp_layers_sets_the_blocks_of_each_stage():
     spec = engine_spec(compose([*BASE, "parallel.pp_layers=[1,2]"]))
     assert spec.pipeline.blocks == ((0, 1), (1, 3)) and spec.pipeline.layers == (1, 2)
@@ -153,6 +155,7 @@ def test_pp_layers_that_cannot_split_are_refused_with_the_automatic_split(split,
         engine_spec(compose([*BASE, f"parallel.pp_layers={split}"]))
 
 
+@pytest.mark.slow
 def test_pp_layers_refusals_name_stages_per_rank_and_empty_middle_stages():
     zbv = problems(compose([*BASE, "parallel.pp_schedule=zbv", "parallel.pp_layers=[2,1]"]))
     assert len(zbv) == 1 and "parallel.pp=2 x 2 stages per rank (zbv) makes 4 stages" in zbv[0], zbv
@@ -184,6 +187,7 @@ def test_layers_need_not_divide_into_stages_for_parallel_auto():
     assert {c.job.knobs.layout.pp for c in res.ranked} >= {16, 32}, sorted({c.job.knobs.layout.pp for c in res.ranked})
 
 
+@pytest.mark.slow
 def test_llama3_405b_published_layout_fits_8192_h100():
     """Llama 3 405B as published (Llama 3 paper, table 4): TP8 PP16 DP64 on 8,192 H100 80GB, 8k sequences,
     16M tokens (2,048 sequences) a step. FSDP (ZeRO-3) over the 64 data-parallel ranks, full activation
@@ -207,6 +211,7 @@ def test_llama3_405b_published_layout_fits_8192_h100():
     assert not none.fits and 55 * GiB < none.memory.device["activations"] < 80 * GiB, none.memory.device
 
 
+@pytest.mark.slow
 def test_llama3_405b_dry_run_plans_the_published_layout(tmp_path):
     # Seconds on a 2-core VM (arithmetic, no torch); the timeout only keeps a regression from hanging.
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "model=405b", "cluster=h100", "launcher=sbatch",

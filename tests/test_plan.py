@@ -229,6 +229,7 @@ def test_infeasible_request_says_why():
 # --- time -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_refusals_quote_the_problem_they_count():
     """Each refusal line's example quotes that refusal's own message, not the example's first problem
     (a layout refused for device and host memory counted under host memory quoted its device memory)."""
@@ -243,6 +244,7 @@ def test_refusals_quote_the_problem_they_count():
         assert ex.problems[ex.reasons.index(reason)] in line, (reason, line)
 
 
+@pytest.mark.slow
 def test_pipeline_receive_buffers_refuse_a_long_sequence_pipeline_with_their_fix():
     """torch's pipeline stages keep a receive buffer per micro-batch and direction (plan/memory.
     pipeline_buffers): 256 micro-batches of 64K tokens, 256 MiB a buffer, 256 of them per direction for
@@ -359,6 +361,7 @@ def test_zero3_under_pipelining_keeps_the_stage_gathered(job8):
         == 2 * flat.microbatches * (flat.model.n_layers + 2)
 
 
+@pytest.mark.slow
 def test_tp_overlap_hides_no_more_than_the_gemm_it_pairs_with():
     """An overlapping engine (Megatron's userbuffers, torch's async TP) hides a sequence-parallel collective
     behind the GEMM it feeds, never more than that GEMM's time. Llama 3 8B at TP 8 has 512-wide
@@ -404,6 +407,7 @@ def test_pipeline_bubble(job8):
 # --- search ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_search_70b_on_64_h100(job70):
     assert job70.world == 64 and job70.cluster.name == "h100"
     t0 = time.perf_counter()
@@ -443,6 +447,7 @@ def test_plan_json_and_png(job70, tmp_path):
     assert os.path.getsize(out) > 1000
 
 
+@pytest.mark.slow
 def test_cli_prints_ranked_layouts_without_torch(tmp_path):
     script = ("import sys, runpy; sys.argv = ['hpctrain.plan', '+experiment=70b', 'cluster=h100', "
               f"'cluster.nodes=8', '--top', '5', '--json', {str(tmp_path / 'plan.json')!r}]\n"
@@ -458,6 +463,7 @@ def test_cli_prints_ranked_layouts_without_torch(tmp_path):
     assert doc["best"]["feasible"] and doc["best"]["tokens_per_s"] >= doc["requested"]["tokens_per_s"]
 
 
+@pytest.mark.slow
 def test_hardware_flops_add_the_recomputed_forward():
     """hw_tflops_per_gpu = model FLOPs + recomputation. Megatron's checkpointing reruns a block's whole
     forward: 8 instead of 6 FLOPs per parameter and token (Korthikanti et al. 2022); torch's
@@ -519,6 +525,7 @@ def test_checkpointed_block_reruns_what_the_planner_prices():
     assert rerun < 0.8 * whole * b * s  # the mutant "checkpoint reruns the whole forward"
 
 
+@pytest.mark.slow
 def test_cpu_ranks_are_priced_as_cpu_processes_and_local_nvme_is_the_paths_free_space(tmp_path):
     # 8 local CPU ranks: ~0.35 GiB each (measured), not a GPU rank's 3 GiB of host state.
     cfg = compose(["launcher.nproc=8", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2"])
@@ -536,6 +543,7 @@ def test_cpu_ranks_are_priced_as_cpu_processes_and_local_nvme_is_the_paths_free_
     assert slurm.cluster.nvme_gb == 0  # a cluster's nodes are not this machine: the preset speaks
 
 
+@pytest.mark.slow
 def test_grad_sync_is_priced_as_the_engine_runs_it():
     """The 70b experiment (tp 8, zero 3, 32 micro-batches of 1): reducing once per step saves the 31
     reduce-scatters but holds every gradient of the rank unsharded in fp32 (FSDP2's accumulated
@@ -560,6 +568,7 @@ def test_grad_sync_is_priced_as_the_engine_runs_it():
     assert pp.job.spec.grad_sync == "step" and pp.memory.device.get("unsharded_grads", 0) > 0
 
 
+@pytest.mark.slow
 def test_grad_sync_microbatch_with_pipelining_is_refused():
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "parallel.pp=2", "parallel.dp_shard=1",
                            "parallel.grad_sync=microbatch", "dry_run=true"], cwd=REPO, capture_output=True,

@@ -122,6 +122,7 @@ print("PHASES_OK")
 """
 
 
+@pytest.mark.slow
 def test_phase_peaks_are_per_phase_and_the_overall_peak_survives():
     # A fresh process: in a long-lived one (the test session), freed heap pages may hold the tensor
     # without the resident set growing, and the process's peak is whatever came before.
@@ -149,6 +150,7 @@ class StopAt(Preemption):
         return super().agreed(device, group)
 
 
+@pytest.mark.slow
 def test_fit_preempted_inside_the_window_then_resumed(world_of_one, tmp_path):
     from hpctrain.train.loop import Trainer
 
@@ -197,6 +199,7 @@ def test_windows_inside_the_run_pass(steps):
     assert cfg.profile.memory is False  # off by default
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_reversed_window_with_exit_2(tmp_path):
     proc = run_cli(TINY, "profile.steps=[5,2]", "dry_run=true", f"run.dir={tmp_path / 'run'}", check=False,
                    timeout=120)

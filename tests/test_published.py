@@ -127,6 +127,7 @@ def test_held_out_rows(preds):
     assert _pipelines_pass(preds), [(x.row.id, round(x.error, 3)) for x in pipe]
 
 
+@pytest.mark.slow
 def test_fit_reproduces_the_cluster_presets(rows):
     fitted = F.fit(rows)
     for kind, v in fitted.items():
@@ -178,6 +179,7 @@ def test_without_micro_batches_it_fails(rows, monkeypatch):
     assert not _passes([x.error for x in held(preds)])
 
 
+@pytest.mark.slow
 def test_without_gemm_shapes_it_fails_even_refitted(rows, preds, monkeypatch):
     """GEMMs priced at one rate whatever their shape (thin micro-batches, narrow TP shards), with the two
     efficiencies refitted that way: the held-out median rises from 6.4% to 8.2% and the rows outside 15%
@@ -279,6 +281,7 @@ def test_gemm_efficiency_follows_micro_batch_and_tp_shapes():
 # --- parallel=auto on published configurations -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_auto_layout_is_at_least_the_published_one(rows):
     picked = F.auto_rows(rows)
     assert len(picked) == len(F.AUTO) == 3
@@ -292,6 +295,7 @@ def test_auto_layout_is_at_least_the_published_one(rows):
         assert "time:" in why and ("ranks #" in why or "nearest to the one asked for" in why)
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table(capsys):
     from hpctrain.plan.__main__ import main
 

@@ -159,6 +159,7 @@ def test_env_values_quoted():
     assert "set +u\nmodule load cuda/12.4 nccl\nsource /lustre/envs/torch/bin/activate\nset -u" in text
 
 
+@pytest.mark.slow
 def test_newline_refused():
     for key in ("run.name", "cluster.account", "cluster.sbatch_extra.comment", "cluster.time"):
         cfg = config("tiny_local")
@@ -219,6 +220,7 @@ print(f"DRY_RUN_OK {time.monotonic() - t0:.2f}")
 """
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_script_without_torch(tmp_path):
     """`+experiment=70b launcher=sbatch dry_run=true`: the script is shown, only plan.json is written, no torch."""
     from helpers import REPO

@@ -18,7 +18,7 @@ from helpers import REPO, run_cli, wait_until
 from test_slurm_requeue import BASE, losses, slurm_log, submit_sbatch
 from test_slurm_submit import wait_for
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 STEPS = 40
 RUN = (f"train.steps={STEPS}", "checkpoint.every=10")
 SLOW = "slow_step:ms=100"  # long enough a run to be hit mid-way

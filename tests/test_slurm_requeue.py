@@ -14,6 +14,8 @@ from hpctrain.train.metrics import read_metrics
 from helpers import run_cli
 from test_slurm_submit import rank_logs, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 # 2 nodes x 2 tasks on cluster=local; the same 4-rank layout runs locally as the reference.
 BASE = ["+experiment=tiny", "train.micro_batch=4", "optim.warmup_steps=5"]
 

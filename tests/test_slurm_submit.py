@@ -52,6 +52,7 @@ def test_parse_time_refuses_what_sbatch_refuses(text):
         parse_time(text)
 
 
+@pytest.mark.slow
 def test_time_problems():
     assert time_problems(local_cfg()) == []
     short = time_problems(local_cfg("cluster.time=00:02:00", "cluster.signal_lead_s=20"))
@@ -90,6 +91,7 @@ gpu|g3|32|gpu:h100:4|2-00:00:00
 """
 
 
+@pytest.mark.slow
 def test_partition_problems_from_sinfo_text():
     parts = parse_sinfo(SINFO)
     assert set(parts) == {"debug", "gpu"} and parts["debug"].default and not parts["gpu"].default
@@ -137,6 +139,7 @@ def test_partition_check_skipped_without_a_working_sinfo(monkeypatch, tmp_path):
     assert not [p for p in problems(cfg) if "partition" in p]
 
 
+@pytest.mark.slow
 def test_executor_parameters():
     cfg = local_cfg()
     cfg.run.name = "my\\run"
@@ -182,6 +185,7 @@ def refused(*overrides: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("launcher", ["slurm", "sbatch"])
 def test_cli_refusals(slurm, launcher, tmp_path):
@@ -238,6 +242,7 @@ def check_run(run_dir: Path, supervisor_log: str) -> None:
     assert "completed at step 5" in log_text
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
     marker = tmp_path / "pwned"
@@ -272,6 +277,7 @@ def test_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
     print(f"sbatch job {job}: {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_launcher_slurm_submits_through_submitit(slurm, tmp_path):
     run_dir = tmp_path / "run"

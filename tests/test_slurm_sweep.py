@@ -15,6 +15,8 @@ from helpers import run_cli
 from test_slurm_requeue import local_reference, losses, BASE
 from test_slurm_submit import rank_logs, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 
 def sacct_states(job: str) -> dict[str, str]:
     """{job id (array tasks as <array>_<task>): state} from accounting."""

@@ -48,6 +48,7 @@ def pipelined(tmp_path_factory):
     return got[layouts[0]], got[layouts[1]]
 
 
+@pytest.mark.slow
 def test_nothing_is_left_behind_under_pipelining(pipelined):
     """A pack hook that kept a saved output with its grad_fn formed a cycle through the autograd graph,
     which that never-run-backward graph never breaks: the first stage kept one micro-batch of activations
@@ -86,6 +87,7 @@ def freed(measured, n: int) -> list:
     return [kept["forward"] - again["forward"] for kept, again in zip(measured[n, False], measured[n, True])]
 
 
+@pytest.mark.slow
 def test_regather_frees_what_the_planner_says(measured):
     """Per rank, the bytes a forward leaves alive for backward fall by the gathered inputs of the
     column-parallel linears less this rank's half of them: 8 x 1024 tokens of dim 128 in fp32, 4 MiB
@@ -104,6 +106,7 @@ def test_regather_frees_what_the_planner_says(measured):
                 assert again[when] <= kept[when] + 2**16, (n, when, kept, again)
 
 
+@pytest.mark.slow
 def test_a_block_keeps_what_the_planner_says(measured):
     """Four blocks less two, per block: the planner's 6h + 2kv + 3ffn elements per token (h / tp
     where sequence- or tensor-parallel) within 3% (the rest: softmax statistics, RoPE slices). Caught:

@@ -83,6 +83,7 @@ def graph() -> dict[str, set[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_module_has_a_tier():
     untiered = [m for m in graph() if m != "hpctrain" and tier(m) is None]
     assert not untiered, f"modules outside every tier (add them to TIERS and docs/design.md): {untiered}"

@@ -12,6 +12,8 @@ from hpctrain.core.rundir import read_jsonl
 
 from helpers import run_cli
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
+
 COMMON = ("+experiment=tiny", "train.steps=12", "checkpoint.every=4", "optim.warmup_steps=2")
 
 

@@ -107,6 +107,7 @@ def test_names_and_scalars():
         {"train/loss": 1.5, "train/tokens": 7, "val/loss": 2.0}
 
 
+@pytest.mark.slow
 def test_params_flatten_encode_and_truncate():
     cfg = {"train": {"steps": 6, "precision": "fp32"}, "model": {"init_from": None},
            "cluster": {"setup": ["module load x"], "env": {}, "sbatch_extra": {"gres": "gpu:8"}},
@@ -132,6 +133,7 @@ def test_ids_file_keeps_every_tracker(tmp_path):
                for i in (T.new_id() for _ in range(20)))
 
 
+@pytest.mark.slow
 def test_from_config_picks_the_enabled_trackers_and_imports_none_of_them(tmp_path):
     script = (
         "import sys\n"
@@ -200,6 +202,7 @@ def test_close_marks_an_unfinished_run(tmp_path):
 
 # ------------------------------------------------------------------------ the trackers, in process
 
+@pytest.mark.slow
 def test_trackers_reopen_their_runs_after_a_restart(tmp_path):
     """Two starts of one run directory, as a crash at step 3 and a resume from step 2 make them,
     without training: one W&B id, one MLflow run, TensorBoard without the steps logged twice."""

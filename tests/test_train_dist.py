@@ -25,6 +25,7 @@ def reference():
     return reference_losses(compose(COMMON), STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_dp2_matches_single_process(tmp_path, reference, parallel):
     run_cli(*COMMON, f"parallel={parallel}", "launcher.nproc=2", f"run.dir={tmp_path}")
@@ -39,6 +40,7 @@ def test_dp2_matches_single_process(tmp_path, reference, parallel):
     assert (tmp_path / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_tiny_experiment_loss_falls(tmp_path):
     proc = run_cli("+experiment=tiny", "train.steps=30", f"run.dir={tmp_path}")
     rows = read_metrics(tmp_path)
@@ -48,6 +50,7 @@ def test_tiny_experiment_loss_falls(tmp_path):
     assert "step 30/30" in proc.stdout and "tok/s" in proc.stdout and "eta" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_tracks_fp32(tmp_path, reference):
     """bf16 compute with fp32 master weights and fp32 gradient reduction stays near the fp32 run."""
     run_cli(*COMMON, "train.precision=bf16", f"run.dir={tmp_path}")
@@ -57,6 +60,7 @@ def test_bf16_mixed_precision_tracks_fp32(tmp_path, reference):
         assert abs(a - b) <= 3e-2 * max(1.0, abs(b)), (step, a, b)
 
 
+@pytest.mark.slow
 def test_token_shards_train_with_tensorboard(tmp_path):
     import sysconfig
 
