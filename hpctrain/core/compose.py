@@ -13,9 +13,6 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from hydra import compose as hydra_compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -50,6 +47,9 @@ def conf_dir() -> Path:
 
 def register() -> None:
     """Register the schema with Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    # Hydra (~0.3 s) composes on the login node only: every rank just load()s config.yaml
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="hpctrain_schema", node=Config)
 
 
@@ -58,6 +58,10 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config
     renamed = _renamed(overrides)
     if renamed:
         raise ConfigError("\n".join(renamed))
+    # Hydra (~0.3 s) composes on the login node only: every rank just load()s config.yaml
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     register()
     GlobalHydra.instance().clear()
     try:

@@ -10,7 +10,6 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining.schedules as S
 from torch import nn
 
 from hpctrain.core.spec import SINGLE_STAGE
@@ -42,6 +41,9 @@ def stage_module(model: nn.Module, stage: int, num_stages: int, blocks: tuple[in
 
 
 def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn):
+    # heavy (~2 s: it pulls in torch._dynamo): only ranks of a pipelined layout pay for it
+    import torch.distributed.pipelining.schedules as S
+
     cls = getattr(S, SCHEDULES[schedule])
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -153,6 +152,9 @@ class Trainer:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def _pipeline_schedule(self):
+        # heavy (~2 s: it pulls in torch._dynamo): only ranks of a pipelined layout pay for it
+        from torch.distributed.pipelining import PipelineStage
+
         stages = [PipelineStage(part, s, self.par.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.par.stage_indices)]
         return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self.loss_fn)

@@ -6,7 +6,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from hpctrain.offload import HostAdamW
@@ -79,6 +78,9 @@ def build_optimizer(params, o, total_steps: int, zero_group=None, offload=None, 
     if shard_group is not None:
         opt = ShardedOptimizer(groups, optimizer_class, shard_group, **kwargs)
     elif zero_group is not None:
+        # ~0.5 s at import: only ZeRO-1 ranks pay for it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                       process_group=zero_group, weight_decay=o.weight_decay, **kwargs)
         opt.add_param_group(groups[1])
