@@ -153,8 +153,6 @@ class Knobs:
 @dataclass(frozen=True)
 class EngineSpec:
     knobs: Knobs  # what was asked for; the fields below are what the engine does with it
-    layout: Layout
-    zero: int
     # ddp | zero1 (DDP + ZeroRedundancyOptimizer) | replicate (FSDP2's replicate: ZeRO-0 with TP/PP) |
     # replicate_zero1 (replicate + an optimizer sharded by parameter owner) | fsdp (FSDP2: ZeRO-2/3, HSDP)
     data_parallel: str
@@ -162,11 +160,7 @@ class EngineSpec:
     sharding: Sharding
     placement: Placement
     pipeline: Optional[Pipeline]
-    micro_batch: int  # sequences per forward/backward on one rank
     microbatches: int  # forward/backward passes per optimizer step on one data-parallel rank
-    ac: str
-    ac_every: int
-    compile: bool
     nodes: int
     ranks_per_node: int
     device: str
@@ -177,6 +171,32 @@ class EngineSpec:
     grad_sync: str = "step"
     # sequence-parallel inputs re-gathered in backward (parallel.sp_regather, with TP and not compiled)
     sp_regather: bool = False
+
+    # The knobs the engine takes as they are, read through the spec so callers need not know which are.
+    @property
+    def layout(self) -> Layout:
+        return self.knobs.layout
+
+    @property
+    def zero(self) -> int:
+        return int(self.knobs.zero)
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward on one rank."""
+        return self.knobs.micro_batch
+
+    @property
+    def ac(self) -> str:
+        return str(self.knobs.ac)
+
+    @property
+    def ac_every(self) -> int:
+        return self.knobs.ac_every
+
+    @property
+    def compile(self) -> bool:
+        return bool(self.knobs.compile)
 
 
 # ------------------------------------------------------------------------------------- the rules
@@ -514,12 +534,11 @@ def build(model: ModelConfig, k: Knobs, *, nodes: int = 1, ranks_per_node: int =
     """The spec of these knobs on `nodes` x `ranks_per_node` (the planner prices thousands this way)."""
     lay, zero = k.layout, int(k.zero)
     return EngineSpec(
-        knobs=k, layout=lay, zero=zero, data_parallel=data_parallel(zero, lay.dp, lay.tp, lay.pp),
+        knobs=k, data_parallel=data_parallel(zero, lay.dp, lay.tp, lay.pp),
         dtypes=dtypes(k.precision, zero), sharding=sharding(zero, lay),
         placement=placement(k.offload, zero, lay.tp, k.master_on_nvme),
-        pipeline=pipeline(model, lay.pp, k.schedule, k.virtual_stages, k.pp_layers), micro_batch=k.micro_batch,
-        microbatches=microbatches(k.global_batch, lay.dp, k.micro_batch), ac=str(k.ac), ac_every=k.ac_every,
-        compile=k.compile, nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
+        pipeline=pipeline(model, lay.pp, k.schedule, k.virtual_stages, k.pp_layers),
+        microbatches=microbatches(k.global_batch, lay.dp, k.micro_batch), nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],
         flops_per_token=train_flops_per_token(model, k.seq_len), grad_sync=grad_sync(str(k.grad_sync), zero, lay),
         sp_regather=bool(k.sp_regather) and lay.tp > 1 and not k.compile)
