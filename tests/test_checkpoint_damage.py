@@ -127,6 +127,46 @@ def test_metadata_pickle_with_foreign_objects_is_not_unpickled(two_checkpoints):
     assert any("refusing to unpickle" in w and "system" in w for w in warnings), warnings
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("record", ["step", "progress"])
+def test_a_copied_checkpoint_claiming_another_step_is_skipped(two_checkpoints, record):
+    """The review's copy of a checkpoint renamed step-00000009 with "step": 99 in its hpctrain.json:
+    the resumed run said "completed at step 99" and trained nothing. Mutant: no check of the records
+    against the directory name (t.step becomes 99, or 4 with progress claiming 99)."""
+    import json
+    import shutil
+
+    root = two_checkpoints / "checkpoints"
+    fake = root / store.step_name(9)
+    shutil.copytree(root / store.step_name(4), fake)
+    info = json.loads((fake / store.INFO).read_text())
+    if record == "step":
+        info["step"] = 99
+    else:
+        info["step"], info["progress"]["step"] = 9, 99
+    (fake / store.INFO).write_text(json.dumps(info))
+    t, warnings = resume(two_checkpoints)
+    assert t.step == 4 and t.ckpt.loaded == root / store.step_name(4)
+    assert any("step-00000009" in w and "says step 99" in w and "directory name says step 9" in w
+               for w in warnings), warnings
+
+
+@pytest.mark.slow
+def test_retention_keeps_the_checkpoint_the_run_resumed_from(two_checkpoints):
+    """checkpoint.keep=1 after a resume from step 4: later saves (6, 8) have only been written, never
+    loaded, so step 4 stays until a later resume loads a newer one. Mutant: protecting only the
+    checkpoint just committed (step 4 deleted at step 6's commit)."""
+    t = trainer(two_checkpoints, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=1")
+    t.fit()
+    names = sorted(p.name for p in (two_checkpoints / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert names == [store.step_name(4), store.step_name(8)], names
+    # The next resume loads step 8, and from then on step 4 is an ordinary old checkpoint.
+    t = trainer(two_checkpoints, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=1")
+    t.fit()
+    names = sorted(p.name for p in (two_checkpoints / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert names == [store.step_name(8), store.step_name(10)], names
+
+
 class StopAt(Preemption):
     """A preemption request that arrives during step `step`, as a signal would."""
 

@@ -62,15 +62,17 @@ def commit(tmp: Path, root: Path, step: int, info: dict) -> Path:
     return final
 
 
-def doom(root: Path, keep: int, protect: Path | None = None, keep_every: int = 0) -> list[Path]:
-    """Retention, the quick half: all but the newest `keep` complete checkpoints (never `protect`, the
-    one just committed, nor a milestone: a step that is a multiple of `keep_every`) are renamed out of
+def doom(root: Path, keep: int, protect: tuple[Path | None, ...] = (), keep_every: int = 0) -> list[Path]:
+    """Retention, the quick half: all but the newest `keep` complete checkpoints (never one in
+    `protect`: the one just committed, the one the run resumed from; nor a milestone: a step that is a
+    multiple of `keep_every`) are renamed out of
     discovery's sight, and returned with every leftover temporary dir for `purge` to delete. A crash
     before the purge leaves `.del-*` dirs the next call picks up."""
     removed = []
     complete = list_complete(root)
+    kept = {p.resolve() for p in protect if p is not None}
     for step, path in complete[:-keep] if keep > 0 else []:
-        if protect is not None and path.resolve() == protect.resolve():
+        if path.resolve() in kept:
             continue
         if keep_every > 0 and step % keep_every == 0:
             continue

@@ -108,6 +108,7 @@ class CheckpointManager:
         self._planner: Optional[ReusingSavePlanner] = None
         self._pool = None
         self._checked: set = set()  # plain state objects whose state was found tensor-free
+        self.loaded: Optional[Path] = None  # the checkpoint this run resumed from: retention keeps it
 
     # ---------------------------------------------------------------- policy
 
@@ -264,7 +265,9 @@ class CheckpointManager:
         if self.rank == 0:
             final = store.commit(p.tmp, self.root, p.step, p.info)
             # Renamed out of sight now; deleting the bytes takes long and runs beside the training.
-            doomed = store.doom(self.root, self.cfg.keep, protect=final, keep_every=self.cfg.keep_every)
+            # The checkpoint we resumed from is the newest one known to load: newer ones have only been
+            # written, so retention does not delete it on their strength (at most keep + 1 are on disk).
+            doomed = store.doom(self.root, self.cfg.keep, protect=(final, self.loaded), keep_every=self.cfg.keep_every)
             self._join_purge()
             self._purge = threading.Thread(target=store.purge, args=(doomed,), name="checkpoint-purge", daemon=True)
             self._purge.start()
@@ -313,7 +316,7 @@ class CheckpointManager:
         wanted = self._all_shapes(expected_shapes(state))
         problems = []
         for step, path in cands:
-            verdict = self._verify(path, wanted)
+            verdict = self._verify(step, path, wanted)
             if verdict is None:
                 try:
                     with _gc_paused():
@@ -324,6 +327,7 @@ class CheckpointManager:
                     verdict = f"loading failed: {_first_line(e)}"
             if verdict is None:
                 self._restore(path, state)
+                self.loaded = path
                 if problems:
                     on_warning(f"resumed from the older checkpoint {path.name} instead")
                 self.last_saved = step
@@ -350,6 +354,23 @@ class CheckpointManager:
                 else:
                     log.warning("%s is missing: %s not restored", mine, name)
 
+    def _claims_problem(self, step: int, info: dict) -> Optional[str]:
+        """A copied or edited checkpoint claims a step its directory name does not: resuming from it
+        would skip training (or repeat it) and let retention delete real checkpoints."""
+        recorded = {store.INFO: info.get("step")}
+        for name, obj in self.objects.items():
+            state = info.get(name)
+            if not getattr(obj, "sharded", False) and isinstance(state, dict) and "step" in state:
+                recorded[f"{store.INFO}'s {name}"] = state["step"]
+        for where, value in recorded.items():
+            if type(value) is not int or value != step:
+                return (f"{where} says step {value!r}, its directory name says step {step}: it was copied "
+                        "or edited by hand")
+        world = info.get("world_size")
+        if type(world) is not int or world < 1:
+            return f"{store.INFO} says world_size {world!r}"
+        return None
+
     def _all_shapes(self, mine: dict) -> dict:
         """Every rank's expected tensors (pipeline stages and ZeRO-1 owners differ per rank)."""
         gathered = [None] * self.world
@@ -359,8 +380,9 @@ class CheckpointManager:
             out.update(d)
         return out
 
-    def _verify(self, path: Path, wanted: dict) -> Optional[str]:
-        """Rank 0 checks the files; everyone gets its verdict (the same on every rank)."""
+    def _verify(self, step: int, path: Path, wanted: dict) -> Optional[str]:
+        """Rank 0 checks the files and the checkpoint's own records (which must agree with its name
+        and with each other); everyone gets its verdict (the same on every rank)."""
         verdict = [None]
         if self.rank == 0:
             try:
@@ -373,6 +395,9 @@ class CheckpointManager:
                 if missing:
                     raise DamagedCheckpoint(f"{store.INFO} holds no {', '.join(missing)} state "
                                             "(written by an older hpctrain)")
+                claims = self._claims_problem(step, info)
+                if claims:
+                    raise DamagedCheckpoint(claims)
             except DamagedCheckpoint as e:
                 verdict = [str(e)]
             except (OSError, ValueError) as e:
