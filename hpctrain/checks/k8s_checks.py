@@ -84,8 +84,19 @@ def k8s_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
     elif len(path.parts) < 3:
         out.append(f"run.dir={rd}: the pods mount the run directory's parent ({path.parent}), which cannot be "
                    f"'/'. Fix: run.dir=/mnt/runs/{cfg.run.name} with the claim mounted at /mnt/runs")
-    if any(ch in rd for ch in "\n\r\0"):
+    if any(ch in rd for ch in "\n\r"):
         out.append(f"run.dir={rd!r} holds a line break. Fix: give run.dir on one line")
+    # Any other character reaches k8s.yaml escaped (yaml.safe_dump; its comments through
+    # hpctrain.launch.k8s.comment). A NUL cannot reach a process: paths, arguments and the
+    # environment are C strings.
+    nul = {"run.dir": rd, "cluster.container_image": image, "cluster.container_python": c.container_python,
+           "cluster.container_workdir": c.container_workdir,
+           **{f"cluster.env.{key}": value for key, value in dict(c.env or {}).items()},
+           **{f"launcher.k8s.node_selector.{key}": value for key, value in dict(k.node_selector or {}).items()}}
+    for key, value in nul.items():
+        if value is not None and "\0" in str(value):
+            out.append(f"{key}={str(value)!r} holds a NUL character, which no path, argument or environment "
+                       f"variable of a pod can hold. Fix: remove it from {key}")
     if not object_name(cfg.run.name):
         out.append(f"run.name={cfg.run.name!r} holds no letter or digit to name the Kubernetes objects after. "
                    "Fix: e.g. run.name=llama-8b")

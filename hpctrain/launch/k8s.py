@@ -202,12 +202,31 @@ def manifest(cfg: Config, run_dir: str) -> list[dict]:
     return objs
 
 
+def shell_word(text: str) -> str:
+    """`text` as one word for a shell (bash, zsh, ksh), in printable characters only: shlex.quote() where
+    that is printable, else ANSI-C quoting ($'...') with every character that is not printable as its
+    UTF-8 bytes (\\xHH), so that a line break of any kind (U+0085, U+2028, ...) never reaches the
+    text: it goes into YAML comments and onto the terminal."""
+    text = str(text)
+    if text.isprintable():
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append("".join(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogateescape")))
+    return "$'" + "".join(out) + "'"
+
+
 def commands(objs: list[dict], path: str) -> dict[str, str]:
     """How to apply, follow and delete these objects."""
     job = next(o for o in objs if o["kind"] == "Job")
     name, ns = job["metadata"]["name"], job["metadata"]["namespace"]
     nodes = job["spec"]["completions"]
-    quoted = shlex.quote(str(path))
+    quoted = shell_word(str(path))
     return {"apply": f"kubectl apply -f {quoted}",
             "logs": (f"kubectl logs -f -n {ns} job/{name}" if nodes == 1 else
                      f"kubectl logs -f -n {ns} -l {LABEL_RUN}={name} --prefix --max-log-requests={nodes}"),
@@ -222,8 +241,17 @@ def _on_claim(job: dict) -> bool:
     return any("persistentVolumeClaim" in v for v in job["spec"]["template"]["spec"]["volumes"])
 
 
+def comment(text: str) -> str:
+    """One YAML comment line holding `text`. YAML ends a comment at any line break, U+0085, U+2028 and
+    U+2029 included (PyYAML and kubectl's go-yaml alike), and refuses control characters: every
+    character that is not printable is written as its escape (\\u2028), so the text stays one line."""
+    return "# " + "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def to_yaml(objs: list[dict], path: Optional[str] = None) -> str:
-    """The objects as one multi-document YAML file, after a comment saying how to use it."""
+    """The objects as one multi-document YAML file, after comment lines saying how to use it. The
+    objects go through PyYAML's safe dumper (which quotes and escapes what a plain scalar cannot hold);
+    text in the comments goes through comment(), paths in them through shell_word()."""
     class Dumper(yaml.SafeDumper):
         pass
 
@@ -232,15 +260,15 @@ def to_yaml(objs: list[dict], path: Optional[str] = None) -> str:
 
     Dumper.add_representer(str, text)
     job = next((o for o in objs if o["kind"] == "Job"), None)
-    config = str(PurePosixPath(path).parent / "config.yaml") if path is not None else "<run dir>/config.yaml"
-    head = [f"# Written by `python -m hpctrain ... launcher=k8s`; the run's config: {config}"]
+    config = shell_word(str(PurePosixPath(path).parent / "config.yaml")) if path is not None else "<run dir>/config.yaml"
+    head = [f"Written by `python -m hpctrain ... launcher=k8s`; the run's config: {config}"]
     if job is not None and path is not None:
         cmd = commands(objs, path)
-        head = [f"# hpctrain run {job['metadata']['name']}: {job['spec']['completions']} pod(s), one per node.",
-                f"#   apply:  {cmd['apply']}", f"#   logs:   {cmd['logs']}", f"#   status: {cmd['status']}",
-                f"#   delete: {cmd['delete']}  ({cmd['after_delete']})", *head]
+        head = [f"hpctrain run {job['metadata']['name']}: {job['spec']['completions']} pod(s), one per node.",
+                f"  apply:  {cmd['apply']}", f"  logs:   {cmd['logs']}", f"  status: {cmd['status']}",
+                f"  delete: {cmd['delete']}  ({cmd['after_delete']})", *head]
     body = yaml.dump_all(objs, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
-    return "\n".join(head) + "\n---\n" + body
+    return "\n".join(comment(line) for line in head) + "\n---\n" + body
 
 
 def manifest_text(cfg: Config, run_dir: str) -> str:
@@ -351,7 +379,7 @@ def write(cfg: Config, run_dir: str) -> Path:
 def _write(objs: list[dict], run_dir: str) -> Path:
     path = Path(run_dir) / MANIFEST_NAME
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(to_yaml(objs, str(path)))
+    tmp.write_text(to_yaml(objs, str(path)), encoding="utf-8")  # what kubectl reads
     os.replace(tmp, path)
     return path
 
