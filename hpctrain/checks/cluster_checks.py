@@ -194,6 +194,18 @@ def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[st
 _OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNWRITABLE = ("\n", "\r", "\0")
+# Variables bash gives a meaning of its own: `export NAME=value` in the batch script does not hand
+# `value` to the job. Readonly ones end the script (set -e); RANDOM, SRANDOM, OPTIND and HISTCMD read
+# the value as arithmetic, which runs a $(...) inside an array subscript however the value is quoted;
+# the rest are replaced by bash's own value. Checked against bash 5.2; BASH_REMATCH was readonly
+# before 5.1.
+BASH_SPECIAL = frozenset((
+    "BASHOPTS", "BASHPID", "BASH_ALIASES", "BASH_ARGC", "BASH_ARGV", "BASH_CMDS", "BASH_COMMAND", "BASH_COMPAT",
+    "BASH_LINENO", "BASH_REMATCH", "BASH_SOURCE", "BASH_SUBSHELL", "BASH_VERSINFO", "BASH_XTRACEFD", "DIRSTACK",
+    "EPOCHREALTIME", "EPOCHSECONDS", "EUID", "FUNCNAME", "GROUPS", "HISTCMD", "LINENO", "OPTIND", "PPID", "RANDOM",
+    "SECONDS", "SHELLOPTS", "SRANDOM", "UID", "_"))
+# The array script's own variable (hpctrain.launch.sbatch): an export of the same name would be lost.
+SCRIPT_VARIABLES = frozenset(("run_dirs",))
 
 
 def script_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
@@ -216,7 +228,18 @@ def script_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
     if "\\" in str(values["run.dir"]):
         out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
                    "name. Fix: choose a run.dir without backslashes")
+    if cfg.launcher.name == "slurm" and "%" in str(values["run.dir"]):
+        # submitit writes <run.dir>/submitit/%j_0_log.out as sbatch's --output unescaped, and reads
+        # %j, %t, %A and %a in its own folder as job ids: the logs and its files would land elsewhere.
+        out.append(f"run.dir={values['run.dir']!r} holds a %, which submitit passes to Slurm unescaped in the log "
+                   "file's name (Slurm would read %j, %x, %u... as the job id, name, user). Fix: choose a run.dir "
+                   "without %, or launcher=sbatch, whose script escapes it")
+    for i, line in enumerate(c.setup or []):
+        if "\0" in str(line):
+            out.append(f"cluster.setup[{i}]={str(line)!r} holds a NUL character, which no shell line can hold. "
+                       f"Fix: remove it from cluster.setup[{i}]")
     out.extend(env_name_problems(c.env))
+    out.extend(shell_env_problems(c.env))
     return out
 
 
@@ -264,8 +287,8 @@ def container_problems(cfg: Config, run_dir: Optional[str] = None, source: Optio
                 "this machine, not with srun, so no container would run them. Fix: launcher=sbatch or "
                 "launcher=slurm to run in the image (pyxis), or cluster.container_image=null to run here"]
     out = []
-    if not str(image).strip() or any(ch.isspace() for ch in str(image)):
-        out.append(f"cluster.container_image={str(image)!r} is empty or holds whitespace. Fix: "
+    if not str(image).strip() or any(ch.isspace() or ch == "\0" for ch in str(image)):
+        out.append(f"cluster.container_image={str(image)!r} is empty or holds whitespace or a NUL character. Fix: "
                    f"cluster.container_image=<image>, e.g. {IMAGE_EXAMPLE}; or null for no container")
     elif str(image).startswith("."):
         out.append(f"cluster.container_image={image} is a relative path: the ranks start on other nodes. Fix: "
@@ -317,6 +340,25 @@ def _mount_problems(key: str, mount: str) -> list[str]:
         elif UNSAFE.search(path):
             out.append(f"{key}={mount!r}: the {what} holds a space, quote, $, ` or backslash, which pyxis cannot "
                        f"pass to enroot. Fix: mount a directory above it whose path has none, as {fmt}")
+    return out
+
+
+def shell_env_problems(env) -> list[str]:
+    """cluster.env that a batch script's `export NAME=value` cannot hand to the job as written (the
+    Slurm launchers; a Kubernetes pod's env has no shell in between)."""
+    out = []
+    for key, value in dict(env or {}).items():
+        name = str(key)
+        if name in BASH_SPECIAL:
+            out.append(f"cluster.env has the key {name!r}, a variable bash gives a meaning of its own: the batch "
+                       f"script's `export {name}=...` would not pass the value on (bash keeps, refuses or "
+                       "evaluates it). Fix: use another name")
+        elif name in SCRIPT_VARIABLES:
+            out.append(f"cluster.env has the key {name!r}, which the batch script uses itself (a sweep's run "
+                       "directories). Fix: use another name")
+        if value is not None and not isinstance(value, bool) and "\0" in str(value):
+            out.append(f"cluster.env.{name}={str(value)!r} holds a NUL character, which no environment variable "
+                       f"can hold. Fix: remove it from cluster.env.{name}")
     return out
 
 

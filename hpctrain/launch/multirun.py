@@ -109,9 +109,17 @@ def elements_of(fixed: Sequence[str], sweep: list[list[str]], sweep_dir: str) ->
     return out
 
 
+def hydra_quoted(text: str) -> str:
+    """`text` as a single-quoted value of Hydra's override grammar, which reads back as `text`: a quote
+    is escaped by a backslash, and backslashes are escaped (doubled) only where they come before a
+    quote or the end; elsewhere Hydra keeps them as they are. (The sweep's directory holds no `${`:
+    compose() has resolved it.)"""
+    return "'" + re.sub(r"(\\*)('|\Z)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
 def element_overrides(fixed: Sequence[str], e: Element, sweep_dir: str) -> list[str]:
-    path = str(Path(sweep_dir) / e.name).replace("\\", "\\\\").replace("'", "\\'")
-    return [*fixed, *e.overrides, f"run.dir='{path}'"]  # quoted: the name holds '=' and ','
+    # quoted: the name holds '=' and ','
+    return [*fixed, *e.overrides, f"run.dir={hydra_quoted(str(Path(sweep_dir) / e.name))}"]
 
 
 def same_allocation_problems(elements: list[Element]) -> list[str]:
@@ -215,7 +223,8 @@ def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
     run_dirs = [str(e.cfg.run.dir) for e in elements]
     if launcher == "slurm":
         return submit_array(base, sweep_dir, [e.cfg for e in elements], run_dirs, sys.executable, source_root())
-    path = write_array_script(elements[0].cfg, sweep_dir, run_dirs, sys.executable, source_root())
+    path = write_array_script(elements[0].cfg, sweep_dir, run_dirs, sys.executable, source_root(),
+                              [e.cfg for e in elements])
     how = f"bash {shlex.quote(str(path))}" if path.suffix == ".sh" else f"sbatch {shlex.quote(str(path))}"
     print(f"wrote {path}: one array task per element\nsubmit it with:\n  {how}\n"
           f"compare them: python -m hpctrain.report {shlex.quote(str(sweep_dir))}")

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from hpctrain.launch import container
 from hpctrain.launch.failures import srun_failures
 from hpctrain.launch.local import Ended, run_ranks, tail
-from hpctrain.launch.sbatch import source_root
+from hpctrain.launch.sbatch import slurm_filename, source_root
 from hpctrain.core.rundir import attempt_dir
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.core.schema import Config
@@ -73,7 +73,9 @@ class SrunRunner:
         return ["srun", *overlap, f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * self.tpn}",
                 f"--ntasks-per-node={self.tpn}", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1",
                 # srun of Slurm 22.05+ does not inherit --cpus-per-task from the allocation.
-                f"--cpus-per-task={self.cpus}", f"--output={self.run_dir}/logs/rank-%t.log", "--open-mode=append",
+                f"--cpus-per-task={self.cpus}",
+                # a filename pattern (%t: the task's rank), where a % of the run directory's own is doubled
+                f"--output={slurm_filename(self.run_dir)}/logs/rank-%t.log", "--open-mode=append",
                 *self.container, self.python, "-u", "-m", "hpctrain.run", str(self.run_dir)]
 
     def step_env(self, env: dict, attempt: int, base: Optional[dict] = None) -> dict:

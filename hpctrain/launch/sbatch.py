@@ -13,7 +13,14 @@ while the script and the supervisor stay on the batch host: the script only says
 Quoting: the shell never reads `#SBATCH` lines, sbatch's own parser does (see
 hpctrain.launch.allocation.sbatch_line). A newline cannot be written in a `#SBATCH` line at all and
 is refused. Everything in the body that comes from
-the config is shlex.quote()d, except cluster.setup, which is the user's own shell.
+the config is shlex.quote()d, except cluster.setup, which is the user's own shell. Paths in Slurm's
+filename patterns (`--output`) have their % doubled (slurm_filename). What no quoting can carry is
+refused by hpctrain.checks.cluster_checks.script_problems: a NUL anywhere, a line break in an `#SBATCH`
+value, a cluster.env name bash gives a meaning of its own (`export RANDOM=...` evaluates the value).
+
+A sweep's array script gives each task its own element's cluster.setup and cluster.env (they may differ
+between elements, e.g. `+cluster.env.FOO=a,b`): where they do, a `case` on SLURM_ARRAY_TASK_ID runs
+element i's in task i (per_task; submitit's array script under launcher=slurm takes the same lines).
 
 `python -m hpctrain ... launcher=sbatch` writes <run_dir>/job.sbatch and prints the `sbatch` command;
 with dry_run=true it prints the script it would write and writes nothing (no run directory either).
@@ -36,11 +43,18 @@ SCRIPT_NAME = "job.sbatch"
 CHAIN_SCRIPT = "chain.sh"
 
 
+def slurm_filename(path: str | Path) -> str:
+    """`path` as a literal in a Slurm filename pattern (sbatch's and srun's --output), where %j, %t, ...
+    stand for ids: every % doubled. (A backslash would turn the patterns off altogether; run.dir is
+    refused with one.)"""
+    return str(path).replace("%", "%%")
+
+
 def directives(cfg: Config, run_dir: str, array: Optional[str] = None) -> dict[str, Any]:
     """The `#SBATCH` options as an ordered mapping (value True = bare flag); `array`: a job array's
     `--array` (one task per sweep element, `run_dir` then the sweep's directory)."""
-    # %% = a literal % for Slurm; %A_%a = an array task's <array job>_<task>
-    log = str(Path(run_dir) / "logs").replace("%", "%%") + ("/slurm-%A_%a.out" if array else "/slurm-%j.out")
+    # %A_%a = an array task's <array job>_<task>
+    log = slurm_filename(Path(run_dir) / "logs") + ("/slurm-%A_%a.out" if array else "/slurm-%j.out")
     return allocation(cfg.cluster, cfg.run.name, more={**({"array": array} if array else {}),
         "signal": f"USR2@{cfg.cluster.signal_lead_s}",  # no B:, so that every task gets it, not only the batch shell
         "requeue": True,
@@ -61,12 +75,52 @@ def exports(cfg: Config, pythonpath: Optional[str] = None) -> list[str]:
     return lines
 
 
-def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[str] = None,
-                  array_dirs: Optional[list[str]] = None, array_parallelism: int = 0) -> str:
-    """The batch script for this run, or with `array_dirs` for a sweep: a job array whose task i runs
-    array_dirs[i] (`run_dir` is then the sweep's directory). Raises ConfigError for values it cannot
-    write safely."""
+def task_block(cfg: Config, pythonpath: Optional[str] = None, strict: bool = True) -> list[str]:
+    """What a task runs before its supervisor: cluster.setup as written, then the exports. `strict`:
+    in a script under `set -u`, which setup runs without (module and conda scripts read unset
+    variables)."""
+    setup = [str(s) for s in (cfg.cluster.setup or [])]
+    if setup and strict:
+        setup = ["set +u", *setup, "set -u"]
+    return setup + exports(cfg, pythonpath)
+
+
+def per_task(blocks: list[list[str]]) -> list[str]:
+    """A `case` on SLURM_ARRAY_TASK_ID: array task i runs blocks[i]. Not indented: a setup line may
+    open a here-document, whose end marker must start its line."""
+    lines = ['case "${SLURM_ARRAY_TASK_ID-}" in']
+    for i, block in enumerate(blocks):
+        lines += [f"{i})", *block, ";;"]
+    return lines + ["*)", 'echo "hpctrain: array task ${SLURM_ARRAY_TASK_ID-(unset)} is no element of this sweep" >&2',
+                    "exit 1", ";;", "esac"]
+
+
+def array_setup(cfgs: list[Config], pythonpath: Optional[str] = None, strict: bool = True) -> Optional[list[str]]:
+    """The per-task `case` for a sweep whose elements differ in cluster.setup or cluster.env; None
+    where they are all the same (then every task runs the same lines)."""
+    blocks = [task_block(c, pythonpath, strict) for c in cfgs]
+    if all(b == blocks[0] for b in blocks):
+        return None
+    return per_task(blocks)
+
+
+def _problems(cfg: Config, run_dir: str, pythonpath: Optional[str], array_dirs: Optional[list[str]],
+              array_cfgs: Optional[list[Config]]) -> list[str]:
     found = script_problems(cfg, run_dir) + container_problems(cfg, run_dir, pythonpath)
+    for c, d in zip(array_cfgs or [], array_dirs or []):
+        found += [p for p in script_problems(c, d) if p not in found]
+    return found
+
+
+def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[str] = None,
+                  array_dirs: Optional[list[str]] = None, array_parallelism: int = 0,
+                  array_cfgs: Optional[list[Config]] = None) -> str:
+    """The batch script for this run, or with `array_dirs` for a sweep: a job array whose task i runs
+    array_dirs[i] (`run_dir` is then the sweep's directory) with array_cfgs[i]'s cluster.setup and
+    cluster.env (default: cfg's for every task). Raises ConfigError for values it cannot write safely."""
+    if array_cfgs is not None and len(array_cfgs) != len(array_dirs or []):
+        raise ValueError(f"{len(array_cfgs)} element configs for {len(array_dirs or [])} run directories")
+    found = _problems(cfg, run_dir, pythonpath, array_dirs, array_cfgs)
     if found:
         raise ConfigError("cannot write the sbatch script:\n" + "\n".join(f"  - {p}" for p in found))
     c = cfg.cluster
@@ -81,12 +135,17 @@ def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[s
         array = f"0-{len(array_dirs) - 1}" + (f"%{array_parallelism}" if array_parallelism > 0 else "")
     lines += sbatch_lines(directives(cfg, run_dir, array))
     lines += ["", "set -euo pipefail"]
-    if c.setup:
-        # The user's own shell, as written. Without -u: module and conda scripts read unset variables.
-        lines += ["", "# cluster.setup", "set +u", *[str(s) for s in c.setup], "set -u"]
-    env = exports(cfg, pythonpath)
-    if env:
-        lines += ["", "# environment: hpctrain's source, cluster.env", *env]
+    each = array_setup(array_cfgs, pythonpath) if array_dirs and array_cfgs else None
+    if each:
+        lines += ["", "# cluster.setup, then the environment (hpctrain's source, cluster.env): the sweep's elements",
+                  "# differ in them, so array task i runs element i's", *each]
+    else:
+        if c.setup:
+            # The user's own shell, as written. Without -u: module and conda scripts read unset variables.
+            lines += ["", "# cluster.setup", "set +u", *[str(s) for s in c.setup], "set -u"]
+        env = exports(cfg, pythonpath)
+        if env:
+            lines += ["", "# environment: hpctrain's source, cluster.env", *env]
     in_image = container.describe(c, "RUN_DIR" if array_dirs else str(run_dir), pythonpath,
                                   array=bool(array_dirs))
     if in_image:
@@ -115,7 +174,7 @@ def source_root() -> Optional[str]:
 
 def _write(path: Path, text: str) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")  # UTF-8 whatever the locale (a C locale refuses non-ASCII)
     tmp.chmod(0o755)
     tmp.replace(path)
     return path
@@ -131,11 +190,12 @@ def write_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[st
 
 
 def write_array_script(cfg: Config, sweep_dir: str | Path, run_dirs: list[str], python: str,
-                       pythonpath: Optional[str] = None) -> Path:
-    """<sweep_dir>/job.sbatch, one array task per run directory (and chain.sh, as write_script)."""
+                       pythonpath: Optional[str] = None, cfgs: Optional[list[Config]] = None) -> Path:
+    """<sweep_dir>/job.sbatch, one array task per run directory, task i with cfgs[i]'s setup and
+    environment (and chain.sh, as write_script)."""
     (Path(sweep_dir) / "logs").mkdir(parents=True, exist_ok=True)
     text = sbatch_script(cfg, str(sweep_dir), python, pythonpath, array_dirs=run_dirs,
-                         array_parallelism=cfg.launcher.array_parallelism)
+                         array_parallelism=cfg.launcher.array_parallelism, array_cfgs=cfgs)
     path = _write(Path(sweep_dir) / SCRIPT_NAME, text)
     if cfg.launcher.chain > 1:
         return _write(Path(sweep_dir) / CHAIN_SCRIPT, chain_script(path, cfg.launcher.chain, run_dirs))

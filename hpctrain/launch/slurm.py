@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from hpctrain.launch import chain
 from hpctrain.launch.allocation import allocation, submitit_parameters
-from hpctrain.launch.sbatch import exports
+from hpctrain.launch.sbatch import array_setup, task_block
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.core.schema import Config
 from hpctrain.launch.supervise import supervise
@@ -31,16 +31,22 @@ from hpctrain.launch.supervise import supervise
 FOLDER = "submitit"
 
 
-def executor_parameters(cfg: Config, pythonpath: Optional[str] = None) -> dict[str, Any]:
+def executor_parameters(cfg: Config, pythonpath: Optional[str] = None,
+                        array_cfgs: Optional[list[Config]] = None) -> dict[str, Any]:
     """SlurmExecutor.update_parameters(**this) for the run; pure. The allocation is launcher=sbatch's
-    (hpctrain.launch.allocation); submitit writes the USR2 signal itself from signal_delay_s."""
+    (hpctrain.launch.allocation); submitit writes the USR2 signal itself from signal_delay_s. With
+    `array_cfgs` (a sweep's elements, one array task each) task i gets array_cfgs[i]'s cluster.setup
+    and cluster.env: submitit writes one batch script for the whole array, so where the elements differ
+    its setup is a `case` on SLURM_ARRAY_TASK_ID (hpctrain.launch.sbatch.per_task)."""
     c = cfg.cluster
     options = allocation(c, cfg.run.name, more={"requeue": True, "no-kill": True, "open-mode": "append"})
     # One process in the batch script, the supervisor, which starts the ranks with srun itself.
     p = submitit_parameters(options, own_srun=True)
     p.update(signal_delay_s=c.signal_lead_s,  # submitit writes --signal=USR2@<this>, no B:
              stderr_to_stdout=True)
-    setup = [str(s) for s in (c.setup or [])] + exports(cfg, pythonpath)
+    # submitit's script runs without `set -u`: setup needs no `set +u` around it
+    setup = (array_setup(array_cfgs, pythonpath, strict=False) if array_cfgs else None) \
+        or task_block(cfg, pythonpath, strict=False)
     if setup:
         p["setup"] = setup
     return p
@@ -127,7 +133,7 @@ def submit_array(base: Config, sweep_dir: str | os.PathLike, cfgs: list[Config],
 
     sweep_dir = Path(sweep_dir)
     executor = submitit.SlurmExecutor(folder=sweep_dir / FOLDER, python=python or sys.executable)
-    params = executor_parameters(cfgs[0], pythonpath)
+    params = executor_parameters(cfgs[0], pythonpath, array_cfgs=cfgs)
     params["job_name"] = str(base.run.name)
     params["array_parallelism"] = base.launcher.array_parallelism or len(run_dirs)  # submitit's default is 256
 
