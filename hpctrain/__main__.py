@@ -1,7 +1,8 @@
 """`python -m hpctrain [overrides...]`: compose -> check -> plan -> launch, on the login node.
 
-Nothing here imports torch: a dry run of a 70B plan finishes in about a second. Every run (and
-every dry run) writes <run.dir>/plan.json: predicted memory per GPU, step time, tokens/s, MFU.
+Nothing here imports torch: a dry run of a 70B plan finishes in about a second. Every run writes
+<run.dir>/plan.json (predicted memory per GPU, step time, tokens/s, MFU); a dry run, or a run refused on
+the login node, writes nothing.
 """
 from __future__ import annotations
 
@@ -88,21 +89,22 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             check(cfg, refused)
         cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
-        print(plan_summary(the_plan))
-        print(f"plan: {write_plan(the_plan, cfg.run.dir)}", flush=True)
-        if cfg.dry_run:
+        print(plan_summary(the_plan), flush=True)
+        if cfg.dry_run:  # writes nothing, not even plan.json: run.dir may hold another run's
             if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
                 print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")
                 print(sbatch_script(cfg, cfg.run.dir, sys.executable, source_root()), end="")
                 print("---")
             if cfg.launcher.name == "k8s":  # the manifest, checked against the Kubernetes models; nothing written
                 print(preview(cfg), end="")
-            print("dry run: nothing started")
+            print("dry run: nothing started, nothing written (python -m hpctrain.plan <overrides> --json PATH "
+                  "writes the plan)")
             return 0
         problem = overwrite_problem(cfg.run.dir, cfg.checkpoint.resume)
         if problem:
             raise ConfigError(problem)
         run_dir = prepare_run_dir(cfg)
+        print(f"plan: {write_plan(the_plan, run_dir)}", flush=True)
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return 2

@@ -44,4 +44,4 @@ def test_login_node_does_not_import_torch(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NO_TORCH_OK" in proc.stdout
     assert "70,553,706,496" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["plan.json"]
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing

@@ -5,7 +5,6 @@ engine running these splits against the reference is tests/test_layouts.py (UNEV
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -221,5 +220,5 @@ def test_llama3_405b_dry_run_plans_the_published_layout(tmp_path):
                            f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pipeline: 16 stages (1f1b), blocks per stage 7, 8 x 14, 7" in proc.stdout, proc.stdout
-    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert saved["feasible"] and saved["world"] == 8192 and saved["layout"]["pp_layers"] == [7] + [8] * 14 + [7]
+    assert "= 8192 ranks" in proc.stdout and "does not fit" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
