@@ -127,19 +127,21 @@ def test_id_width_follows_the_vocabulary(tmp_path):
     assert split_stream(tmp_path / "out", "train").tolist() == [69999, 123, 65536, 65535, 70000]
 
 
-def test_an_interrupted_prepare_leaves_no_index(example_corpus, tmp_path):
-    """A corpus that fails part way (a bad line at the end) leaves a directory without meta.json, also
-    where an earlier prepare had written one: nothing trains on half a corpus."""
+def test_an_interrupted_prepare_leaves_the_earlier_output_whole(example_corpus, tmp_path):
+    """A corpus that fails part way (a bad line at the end) leaves the earlier prepare's directory byte
+    for byte (the new shards are built beside it), and no half-written directory anywhere: nothing
+    trains on half a corpus."""
     tok = example_corpus / "tokenizer.json"
     out = tmp_path / "out"
     prepare(example_corpus / "corpus.jsonl", out, tok, val_fraction=0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     bad = tmp_path / "bad.jsonl"
     bad.write_text((example_corpus / "corpus.jsonl").read_text() + '{"title": "no text"}\n')
     with pytest.raises(prep.CorpusError, match=r"bad.jsonl:\d+ has no text field 'text'.*--text-field"):
         prepare(bad, out, tok, val_fraction=0)
-    assert not (out / META).exists() and not list(out.glob("*.tmp"))
-    with pytest.raises(FileNotFoundError, match="meta.json"):
-        ShardDataset(out, 16)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and (out / META).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out"]
+    assert len(ShardDataset(out, 16)) > 0  # the earlier shards still train
 
 
 # ------------------------------------------------------------------ bad input, as a user meets it

@@ -6,8 +6,10 @@ SRC is a file or a directory of text files (.txt .md .rst .py: one document each
 Parquet (one document per row, from --text-field). Each document is tokenized with the Hugging Face
 tokenizer.json given (UTF-8 bytes without one) and ends with the end-of-document id. A document goes
 to the validation split by a hash of its position in the corpus, so the split does not depend on the
-number of workers. OUT gets `train-NNNNN.bin`, `val-NNNNN.bin`, a copy of the tokenizer, and meta.json,
-written last: a directory without meta.json is an unfinished prepare.
+number of workers. OUT gets `train-NNNNN.bin`, `val-NNNNN.bin`, a copy of the tokenizer, and meta.json.
+OUT is new, empty, or an earlier prepare's output (hpctrain.core.outdir): the new shards are built
+beside it and swapped in when complete, so a failed prepare leaves the earlier one whole, and files
+prepare did not write are never touched. OUT may not be inside SRC: prepare would read its own output.
 """
 from __future__ import annotations
 
@@ -25,11 +27,14 @@ from typing import Iterator
 
 import numpy as np
 
+from hpctrain.core import outdir
+from hpctrain.core.outdir import OutputDirError
 from hpctrain.data.documents import PARQUET, TEXT, JSONL, CorpusError, corpus_files, documents
 from hpctrain.data.shards import META, SPLITS
 from hpctrain.data.tokenizer import Encoder, TokenizerError
 
 BATCH_CHARS = 1 << 20  # text per task handed to a worker
+TOOL = "hpctrain.data.prepare"  # the name in the marker of its output directories
 
 
 def is_val(index: int, fraction: float, seed: int) -> bool:
@@ -76,14 +81,33 @@ def _batches(files: list[Path], text_field: str, stats: dict) -> Iterator[list[s
     batch, chars = [], 0
     for f in files:
         stats["bytes"] += f.stat().st_size
-        for text in documents(f, text_field):
-            batch.append(text)
-            chars += len(text)
-            if chars >= BATCH_CHARS:
-                yield batch
-                batch, chars = [], 0
+        try:
+            for text in documents(f, text_field):
+                batch.append(text)
+                chars += len(text)
+                if chars >= BATCH_CHARS:
+                    yield batch
+                    batch, chars = [], 0
+        except RecursionError:
+            if f.suffix not in JSONL:
+                raise
+            raise CorpusError(f"{f}:{_too_deep(f)} nests JSON deeper than Python's parser goes. "
+                              f"Fix: one flat JSON object per line, with the text in a string field") from None
     if batch:
         yield batch
+
+
+def _too_deep(path: Path) -> int | str:
+    """The line of `path` the JSON parser cannot nest into (read again: only on the way to an error)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                json.loads(line)
+            except RecursionError:
+                return n
+            except ValueError:
+                pass
+    return "?"
 
 
 _ENCODER: Encoder | None = None
@@ -116,12 +140,10 @@ def _encoded(encoder: Encoder, batches: Iterator[list[str]], workers: int):
             yield window.popleft().get()
 
 
-def _clear(out: Path) -> None:
-    """Forget a previous prepare in `out`: the index first, so a half-written directory is never read."""
-    (out / META).unlink(missing_ok=True)
-    for split in SPLITS:
-        for p in out.glob(f"{split}-*.bin*"):
-            p.unlink()
+def _inside(out: Path, src: Path) -> bool:
+    """`out` is `src` or below it (symlinks followed), where the corpus listing would find it."""
+    out, src = Path(os.path.realpath(out)), Path(os.path.realpath(src))
+    return src.is_dir() and (out == src or src in out.parents)
 
 
 def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *, eos: str | None = None,
@@ -134,9 +156,17 @@ def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *,
     if not files:
         raise CorpusError(f"no files ending in {', '.join(exts)} under {src}. "
                           f"Fix: point at the corpus, or list its extensions with --ext")
+    if _inside(out, src):
+        raise OutputDirError(f"{out} is inside the corpus directory {src}: the next prepare would read these shards "
+                             f"as text. Fix: write the shards outside {src}")
     encoder = Encoder(tokenizer, eos)
-    out.mkdir(parents=True, exist_ok=True)
-    _clear(out)
+    with outdir.replacing(out, TOOL) as tmp:  # refuses a directory holding files prepare did not write
+        return _write(encoder, files, src, tmp, workers, val_fraction, seed, shard_bytes, text_field, progress)
+
+
+def _write(encoder: Encoder, files: list[Path], src: Path, out: Path, workers: int, val_fraction: float,
+           seed: int, shard_bytes: int, text_field: str, progress) -> dict:
+    """Tokenize `files` into the new, empty directory `out`; returns meta.json's content."""
     shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize)
     writers = {s: _SplitWriter(out, s, encoder.dtype, shard_tokens) for s in SPLITS}
     stats, doc, t0, shown = {"bytes": 0}, 0, time.monotonic(), time.monotonic()
@@ -160,9 +190,7 @@ def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *,
             "tokenizer": _copy_tokenizer(encoder, out), "val_fraction": val_fraction, "seed": seed,
             "files": len(files), "text_bytes": stats["bytes"], "documents": doc, "splits": splits, "warnings": warnings,
             "seconds": round(time.monotonic() - t0, 3)}
-    tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / META)
+    (out / META).write_text(json.dumps(meta, indent=1))
     return meta
 
 
@@ -210,7 +238,7 @@ def main(argv=None) -> int:
                        val_fraction=args.val_fraction, seed=args.seed, shard_bytes=args.shard_mb << 20,
                        exts=tuple(args.ext.split(",")), text_field=args.text_field,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except (CorpusError, TokenizerError) as e:
+    except (CorpusError, TokenizerError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_line(meta["text_bytes"], meta["documents"], sum(s["tokens"] for s in meta["splits"].values()),
