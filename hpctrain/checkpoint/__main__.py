@@ -6,7 +6,8 @@
 
 `export --format hf` writes a Hugging Face Llama directory (config.json, safetensors files of at most
 --shard-gb with their index, Hugging Face's names) that transformers' LlamaForCausalLM.from_pretrained
-loads, streaming one tensor at a time (hpctrain.checkpoint.hf_weights). Without --format hf: one consolidated
+loads, streaming one tensor at a time (hpctrain.checkpoint.hf_weights), into a new or empty directory or an
+earlier export, which it replaces whole (hpctrain.core.outdir). Without --format hf: one consolidated
 file with hpctrain's parameter names, safetensors when <file> ends in .safetensors, otherwise
 torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any layout.
 """
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.safe import DamagedCheckpoint, SafeReader, check_files, read_metadata
 from hpctrain.checkpoint.hf_weights import export_hf
+from hpctrain.core.outdir import OutputDirError
 
 
 def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
                   f"{index['metadata']['total_size'] / 1e9:.3f} GB in {len(files)} file(s) -> {args.out}")
             return 0
         flat = export(args.step_dir, args.out, args.dtype)
-    except DamagedCheckpoint as err:
+    except (DamagedCheckpoint, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in flat.values())

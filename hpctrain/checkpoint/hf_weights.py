@@ -8,6 +8,9 @@ Out: `export_hf(step_dir, out_dir, dtype)` writes config.json and safetensors fi
 `shard_bytes` with their index, from a checkpoint of any layout, one tensor at a time: the headers are
 planned from the checkpoint's metadata before any tensor is read, then each tensor is read (resharded
 by DCP into one whole tensor), cast, written and dropped, so memory stays at the largest tensor.
+out_dir is new, empty, or an earlier export (hpctrain.core.outdir): the export is built beside it and
+swapped in whole, so no weights file of an earlier export (a single model.safetensors beside new
+shards) stays for transformers to load, and files the export did not write are never touched.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from hpctrain.core import hf_format as hf
+from hpctrain.core import outdir
 from hpctrain.core.compose import model_config
 from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
 from hpctrain.core.rundir import read_info
@@ -32,6 +36,7 @@ from hpctrain.data.shards import read_meta
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOOL = "hpctrain.checkpoint export --format hf"  # the name in the marker of its output directories
 
 
 def load_hf(parts: list, path: str | os.PathLike, tied: bool) -> int:
@@ -71,7 +76,6 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     check_files(step_dir, md)
     info = read_info(step_dir)
     model_cfg = model_config(info["config"]["model"])
-    seq_len = info["config"]["data"]["seq_len"]
     names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
     if model_cfg.tie_embeddings:
         names = [n for n in names if n != "output.weight"]
@@ -80,7 +84,15 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
               for n in order}
     sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
     shards = _plan_shards(sizes, shard_bytes)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with outdir.replacing(out_dir, TOOL) as tmp:  # refuses a directory holding files it did not write
+        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards)
+
+
+def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list[str], target: dict,
+           shards: list[list[str]]) -> dict:
+    """Write the planned safetensors files, their index, config.json and the tokenizer into the new,
+    empty directory `out_dir`; returns the index."""
+    seq_len = info["config"]["data"]["seq_len"]
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
@@ -94,8 +106,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        tmp = out_dir / f".{fname}.tmp"
-        with open(tmp, "wb") as f:
+        with open(out_dir / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for n in shard:
                 state: dict = {}
@@ -108,7 +119,6 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
                 del t, state
             f.flush()
             os.fsync(f.fileno())
-        tmp.replace(out_dir / fname)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / hf.INDEX).write_text(json.dumps(index, indent=1))
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target[order[0]]]
