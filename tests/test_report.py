@@ -70,9 +70,9 @@ def test_report_of_a_run_in_progress_copied_elsewhere(crashed_run, tmp_path):
     lines = (copy / "metrics.jsonl").read_text().splitlines()
     (copy / "metrics.jsonl").write_text("\n".join(lines[:6]) + '\n{"step": 7, "lo')  # torn mid-write
     (copy / "outcome.json").unlink()
+    report.write(copy)  # an earlier report, drawn while checkpoints.jsonl was there
+    assert (copy / "report" / "checkpoints.png").is_file()
     (copy / "checkpoints.jsonl").unlink()
-    (copy / "report").mkdir()
-    (copy / "report" / "checkpoints.png").write_bytes(b"stale")  # from an earlier report
     page = report.write(copy).read_text()
     assert "in progress" in page and "last logged step 6" in page
     assert drawn(copy / "report" / "loss.png")

@@ -1,5 +1,6 @@
 """`python -m hpctrain.report DIR [--out OUT]`: the report of a run directory, or of a sweep's directory
-(it holds sweep.json) comparing its elements."""
+(it holds sweep.json) comparing its elements. OUT (default DIR/report) is new, empty or an earlier
+report, which the new one replaces whole (hpctrain.core.outdir)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from hpctrain.core import outdir
 from hpctrain.report import run_report, sweep_report
 
 
@@ -17,7 +19,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         if (a.run_dir / "sweep.json").is_file():  # a `python -m hpctrain -m` sweep: compare its elements
-            page = sweep_report.write(a.run_dir, a.out)
+            out = a.out or a.run_dir / "report"
+            with outdir.replacing(out, run_report.TOOL) as tmp:  # as run reports: only into its own output
+                sweep_report.write(a.run_dir, tmp)
+            page = out / "report.html"
         else:
             page = run_report.write(a.run_dir, a.out)
     except ValueError as e:

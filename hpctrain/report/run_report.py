@@ -2,6 +2,8 @@
 its PNG plots (default: RUN_DIR/report/) from the files the run leaves: metrics.jsonl, plan.json,
 checkpoints.jsonl, interruptions.jsonl, attempts.jsonl, outcome.json. It reads nothing else, so it
 works on a run still in progress and on a run directory copied elsewhere; every link is relative.
+The report directory is new, empty, or an earlier report (hpctrain.core.outdir): the report is built
+beside it and swapped in whole, and files the report did not write are never touched.
 
 Plots: loss (training and validation) against steps and tokens; tokens/s and MFU over wall time
 (interruptions shaded); step time with the spread over ranks and the plan's prediction; memory with
@@ -17,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from hpctrain.core import outdir
 from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
 from hpctrain.report import goodput
 
 GiB = 2**30
+TOOL = "hpctrain.report"  # the name in the marker of its output directories (run and sweep reports)
 
 
 @dataclass
@@ -52,13 +56,14 @@ def _json(path: Path) -> Optional[dict]:
 
 def load(run_dir: str | Path) -> Run:
     d = Path(run_dir)
-    metrics = read_jsonl(d / "metrics.jsonl")
+    metrics = read_jsonl(d / "metrics.jsonl", warn=True)  # malformed lines: left out, named on stderr
     if not metrics and not (d / "plan.json").exists():
         raise ValueError(f"{d} holds neither metrics.jsonl nor plan.json: not an hpctrain run directory "
                          f"(run.dir of a run). Fix: pass the run.dir printed when the run started")
-    checkpoints = {c["step"]: c for c in read_jsonl(d / CHECKPOINT_LOG)}  # a step saved twice: the last
+    checkpoints = {c["step"]: c for c in read_jsonl(d / CHECKPOINT_LOG, warn=True)}  # a step saved twice: the last
     return Run(d, metrics, _json(d / "plan.json") or {}, [checkpoints[s] for s in sorted(checkpoints)],
-               read_jsonl(d / INTERRUPTIONS), read_jsonl(d / "attempts.jsonl"), _json(d / OUTCOME))
+               read_jsonl(d / INTERRUPTIONS, warn=True), read_jsonl(d / "attempts.jsonl", warn=True),
+               _json(d / OUTCOME))
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -301,13 +306,7 @@ def write(run_dir: str | Path, out: Optional[str | Path] = None) -> Path:
         raise ValueError("the report draws with matplotlib, which is not installed. "
                          "Fix: pip install matplotlib (or hpctrain[report])") from None
     out = Path(out) if out else run.dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    images = {}
-    for name, (title, plot) in PLOTS.items():
-        if plot(run, out):
-            images[name] = title
-        else:
-            (out / name).unlink(missing_ok=True)  # from an earlier report: no longer true
-    page = out / "report.html"
-    page.write_text(render(run, images, _goodput(run)))
-    return page
+    with outdir.replacing(out, TOOL) as tmp:  # refuses a directory holding files it did not write
+        images = {name: title for name, (title, plot) in PLOTS.items() if plot(run, tmp)}
+        (tmp / "report.html").write_text(render(run, images, _goodput(run)))
+    return out / "report.html"
