@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpctrain.checks.config_checks import check
 from hpctrain.core.compose import ConfigError, load, to_yaml
 from hpctrain.launch import chain, requeue as slurm_requeue
 from hpctrain.plan.elastic import shrink_to_fit
@@ -68,6 +69,10 @@ class Supervisor:
         while True:
             # The interruption recorded last (here, or before a requeue) ends with this start.
             self._restarted(time.time())
+            problem = self._recheck()
+            if problem:
+                say(f"error: {problem}")
+                return 2
             nodes = self._nodes()
             if nodes is None:
                 return 1
@@ -99,6 +104,18 @@ class Supervisor:
                 return self._give_up(failure, f"{restarts} restart(s) used up (launcher.max_restarts={limit})")
             last, restarts, attempt = failure, restarts + 1, attempt + 1
             say(f"restart {restarts} of at most {limit} from the newest complete checkpoint")
+
+    def _recheck(self) -> str | None:
+        """config.yaml again, with every login-node check, before each start: someone may have edited
+        it since the run was submitted (or since the last start), and a bad value is cheaper to name
+        here than as a crash on every rank."""
+        path = self.run_dir / "config.yaml"
+        try:
+            self.cfg = load(path)
+            check(self.cfg)
+        except ConfigError as e:
+            return f"{path} {str(e).removeprefix(f'{path}: ')}. Fix the file, then run the same command again"
+        return None
 
     def _nodes(self) -> list[str] | None:
         """The nodes of the next start, the config re-planned when nodes were left out."""
@@ -214,7 +231,11 @@ class Supervisor:
 def supervise(run_dir: str | os.PathLike) -> int:
     logging.basicConfig(level=logging.INFO, format="hpctrain: %(message)s", stream=sys.stderr)
     run_dir = Path(run_dir).resolve()
-    cfg = load(run_dir / "config.yaml")
+    try:
+        cfg = load(run_dir / "config.yaml")
+    except ConfigError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
     slurm = cfg.launcher.name != "local"
     if slurm and "SLURM_JOB_ID" not in os.environ:
         print(f"hpctrain: error: launcher={cfg.launcher.name} runs the supervisor inside a Slurm job "
