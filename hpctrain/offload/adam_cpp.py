@@ -15,9 +15,10 @@ Built only where the CPU has AVX2, FMA and F16C and a compiler and ninja are pre
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Optional
+
+from hpctrain.offload.kernel_cache import use_private_cache
 
 log = logging.getLogger("hpctrain")
 
@@ -264,8 +265,7 @@ def load(verbose: bool = False):
                 from torch.utils.cpp_extension import load_inline, verify_ninja_availability
 
                 verify_ninja_availability()
-                os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                                      os.path.abspath(os.path.join("outputs", "cache", "torch_extensions")))
+                use_private_cache("TORCH_EXTENSIONS_DIR", "torch_extensions")
                 _module = load_inline("hpctrain_adam_avx2", cpp_sources=[SOURCE], functions=None,
                                       # -fopenmp: at::parallel_for is inline and runs serially without it
                                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp"],

@@ -14,20 +14,21 @@ The arithmetic is the one of torch's fused CPU AdamW (decoupled weight decay fir
 first moment, bias corrections with `step` counted from 1), so a run matches `torch.optim.AdamW` to
 rounding (a few ulp per step).
 
-Both caches default to outputs/cache/ under the current directory: later processes load the kernels
-in about a second instead of building them.
+Both caches live in a directory of this user's own (hpctrain.offload.kernel_cache; a process loads
+what it finds there, so nobody else may write to it): later processes load the kernels in about a
+second instead of building them.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from typing import Callable, Optional
 
 import torch
 
 from hpctrain.offload import adam_cpp
+from hpctrain.offload.kernel_cache import use_private_cache
 
 log = logging.getLogger("hpctrain")
 
@@ -40,13 +41,9 @@ _failed: Optional[str] = None  # why compile was given up in this process
 MIN_COMPILED = 64
 
 
-def default_cache_dir() -> str:
-    return os.path.abspath(os.path.join("outputs", "cache", "inductor"))
-
-
 def ensure_cache_dir() -> None:
-    """Give Inductor a persistent cache unless the caller chose one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    """Give Inductor a persistent, private cache unless the caller chose one."""
+    use_private_cache("TORCHINDUCTOR_CACHE_DIR", "inductor")
 
 
 def _update(p, g, m, v, lr: float, beta1: float, beta2: float, eps: float, wd: float,
