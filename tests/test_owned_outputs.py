@@ -227,10 +227,13 @@ def test_an_empty_directory_keeps_its_permissions(tmp_path):
     assert (out.stat().st_mode & 0o777) == 0o750
 
 
-def test_a_file_or_the_current_directory_is_refused(tmp_path, monkeypatch):
+def test_a_file_its_parent_or_the_current_directory_is_refused(tmp_path, monkeypatch):
     (tmp_path / "f").write_text("mine")
     with pytest.raises(OutputDirError, match="f is a file, not a directory"):
         outdir.begin(tmp_path / "f", "tool")
+    with pytest.raises(OutputDirError, match=rf"cannot create \.sub\.partial-\S+ beside {tmp_path / 'f' / 'sub'}, .*"
+                                             rf"\(File exists: {tmp_path / 'f'}\)\. Fix: "):
+        outdir.begin(tmp_path / "f" / "sub", "tool")  # a file where its parent directory should be
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
     with pytest.raises(OutputDirError, match=r"^\. is the current directory"):
@@ -350,14 +353,16 @@ def test_report_refuses_a_directory_with_the_users_files(run_dir, tmp_path):
     assert snapshot(out) == {"loss.png": b"my photo", "report.html": b"my notes"} and not siblings(out)
 
 
+def fake_plot(run, out):
+    """A loss plot while the run has metrics (matplotlib takes seconds; the directory is what is tested)."""
+    if not run.metrics:
+        return None
+    (out / "loss.png").write_bytes(b"png")
+    return "loss.png"
+
+
 def test_a_new_report_replaces_its_own_earlier_one(run_dir, monkeypatch):
     from hpctrain.report import run_report
-
-    def fake_plot(run, out):  # matplotlib takes seconds; the directory handling is what is tested
-        if not run.metrics:
-            return None
-        (out / "loss.png").write_bytes(b"png")
-        return "loss.png"
 
     monkeypatch.setattr(run_report, "PLOTS", {"loss.png": ("Loss", fake_plot)})
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
@@ -374,10 +379,12 @@ def test_a_report_that_fails_part_way_leaves_the_earlier_one_whole(run_dir, monk
 
     run_report.write(run_dir)
     before = snapshot(run_dir / "report")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # a plot is drawn before the failure
 
     def broken(*_):
         raise RuntimeError("drawing failed")
 
+    monkeypatch.setattr(run_report, "PLOTS", {"loss.png": ("Loss", fake_plot)})
     monkeypatch.setattr(run_report, "render", broken)
     with pytest.raises(RuntimeError, match="drawing failed"):
         run_report.write(run_dir)

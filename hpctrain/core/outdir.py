@@ -82,9 +82,13 @@ def begin(out: str | os.PathLike, tool: str) -> Path:
     """Check `out`, then make the empty sibling directory the new output is built in."""
     check(out, tool)
     path = target(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(3)}")
-    tmp.mkdir()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # a file where a parent directory should be, no permission, a full disk
+        raise OutputDirError(f"cannot create {tmp.name} beside {out}, where {tool} builds its output "
+                             f"({e.strerror}: {e.filename}). Fix: name a directory whose parent you can write to") from None
     if path.is_dir():
         shutil.copymode(path, tmp)  # the permissions the user gave the directory stay
     return tmp
