@@ -5,6 +5,7 @@ torchrun, mpiexec) only decides how many of us there are and where rank 0 listen
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m hpctrain.run <run_dir>", file=sys.stderr)
         return 2
+    # A rank that dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT leaves every thread's Python stack
+    # in its log (and the native one where Python can, 3.14 on).
+    faulthandler.enable(file=sys.stderr, all_threads=True, **({"c_stack": True} if sys.version_info >= (3, 14) else {}))
     # First thing: a preemption signal may come while torch is still importing (seconds).
     preemption = Preemption().install()
     run_dir = Path(argv[0]).resolve()

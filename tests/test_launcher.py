@@ -88,6 +88,8 @@ def test_rank_killed_by_signal(tmp_path, capfd):
     _, err = capfd.readouterr()
     assert rc == 128 + signal.SIGKILL
     assert "rank 1 failed (was killed by SIGKILL)" in err
+    # Whoever sends a signal says so (mutant: a silent _stop; the ranks' logs only show SIGKILL).
+    assert "stopping the others with SIGKILL: rank 0 (pid " in err and ", rank 2 (pid " in err, err
     assert_others_stopped(tmp_path)
 
 
@@ -124,13 +126,15 @@ def test_signal_to_launcher_reaches_every_rank(tmp_path):
     """)
     launcher = (f"import sys; from hpctrain.launch.local import launch; "
                 f"sys.exit(launch({str(tmp_path / 'run')!r}, 2, cmd=[sys.executable, '-c', {rank_script!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)) or proc.poll() is not None,
                    "both ranks ready", timeout_s=60)
         assert proc.poll() is None, "the launcher ended before its ranks were ready"
         os.kill(proc.pid, signal.SIGUSR2)
-        assert proc.wait(timeout=20) == 0
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert f"passing SIGUSR2 (sent to the launcher, pid {proc.pid}) on to rank(s) 0, 1" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -29,14 +29,18 @@ def uninterrupted(tmp_path_factory) -> list[float]:
 
 
 def test_crashed_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
-    proc = run_cli(*COMMON, f"run.dir={tmp_path}", env={"HPCTRAIN_FAULT": "crash:step=6,rank=1"})
-    assert "crashed: rank 1 was killed by SIGKILL" in proc.stderr and "completed at step 12" in proc.stderr
+    """Rank 1 segfaults after step 6: it leaves its stack in its log (mutant: no faulthandler in the rank
+    entry), the launcher says whom it stopped, and the restarted run matches the uninterrupted one."""
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", env={"HPCTRAIN_FAULT": "crash:step=6,rank=1,signal=SEGV"})
+    assert "crashed: rank 1 was killed by SIGSEGV" in proc.stderr and "completed at step 12" in proc.stderr
+    log = (tmp_path / "logs" / "rank-1.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log and "after_step" in log and "loop.py" in log, log[-3000:]
     assert losses(tmp_path) == uninterrupted  # resumed from step 4, the same numbers to the last bit
     (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
     assert (rec["cause"], rec["ranks"], rec["checkpoint_step"]) == ("crashed", [1], 4)
     assert rec["steps_redone"] >= 1 and rec["recover_s"] > 0 and rec["first_step_at"] > rec["restarted_at"]
     attempts = read_jsonl(tmp_path / "attempts.jsonl")
-    assert [a["rc"] for a in attempts] == [128 + 9, 0]
+    assert [a["rc"] for a in attempts] == [128 + 11, 0]
 
 
 def test_hung_rank_is_named_with_every_stack_and_restarted(tmp_path, uninterrupted):

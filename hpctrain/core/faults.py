@@ -1,7 +1,9 @@
 """Fault injection, for the tests and for users trying how their cluster recovers (off unless
 HPCTRAIN_FAULT is set; several faults separated by `;`).
 
-    crash:step=200,rank=1         rank 1 SIGKILLs itself after step 200 (a segfault or an OOM kill)
+    crash:step=200,rank=1         rank 1 SIGKILLs itself after step 200 (an OOM kill); with
+                                  `signal=SEGV` (or another name) it dies of that signal instead (a
+                                  segfault, which leaves its stack in its log)
     raise:step=3,rank=1           rank 1 raises an error after step 3, at every attempt: a failure
                                   that a restart cannot cure (a bad file found late)
     hang:step=50,rank=1           rank 1 stops making progress after step 50 (a kernel, I/O or a
@@ -72,8 +74,12 @@ def armed(point: str, **where) -> dict | None:
 
 def after_step(step: int, rank: int) -> None:
     """Called by every rank once step `step` is done (its loss read back)."""
-    if armed("crash", step=step, rank=rank) is not None:
-        os.kill(os.getpid(), signal.SIGKILL)
+    crash = armed("crash", step=step, rank=rank)
+    if crash is not None:
+        name = f"SIG{crash.get('signal', 'KILL')}"
+        if name not in signal.Signals.__members__:
+            raise ValueError(f"HPCTRAIN_FAULT: crash:signal={crash['signal']} names no signal (e.g. SEGV, KILL, ABRT)")
+        os.kill(os.getpid(), signal.Signals[name])
     if armed("raise", step=step, rank=rank) is not None:
         raise RuntimeError(f"injected failure at step {step} on rank {rank} (HPCTRAIN_FAULT)")
     if armed("hang", step=step, rank=rank) is not None:

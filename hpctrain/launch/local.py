@@ -28,7 +28,7 @@ def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HPCTRAIN_LAUNCHER="local",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")  # a stack in the log of a rank killed by a fatal signal
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
@@ -83,9 +83,12 @@ def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None 
     def forward(signum, _frame):
         if signum in (signal.SIGINT, signal.SIGTERM):
             interrupted.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        alive = [r for r, p in enumerate(procs) if p.poll() is None]
+        # Whoever sends a signal says so: a rank's log shows only that it died of it.
+        print(f"hpctrain: passing {signal.Signals(signum).name} (sent to the launcher, pid {os.getpid()}) on to "
+              f"rank(s) {', '.join(map(str, alive))}", file=sys.stderr, flush=True)
+        for r in alive:
+            procs[r].send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     failed: tuple[int, int] | None = None
@@ -160,9 +163,12 @@ def _settle(procs: list[subprocess.Popen], settle_s: float) -> None:
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
     # SIGKILL, not SIGTERM: SIGTERM asks ranks for a collective save, which a dead peer would hang.
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    alive = [(r, p) for r, p in enumerate(procs) if p.poll() is None]
+    if alive:
+        print("hpctrain: a rank failed: stopping the others with SIGKILL: "
+              + ", ".join(f"rank {r} (pid {p.pid})" for r, p in alive), file=sys.stderr, flush=True)
+    for _, p in alive:
+        p.kill()
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
