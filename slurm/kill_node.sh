@@ -12,6 +12,8 @@ case $node in n[0-9]*) ;; *) echo "kill_node.sh: not an emulated node name: $nod
 ns_file="$S/pids/slurmd-$node.ns"
 [ -s "$ns_file" ] || { echo "kill_node.sh: $node is not running (no $ns_file)" >&2; exit 1; }
 ns=$(cat "$ns_file")
+# Never this machine's own namespace: that would kill every process here, not one node's.
+[ "$ns" != "$(readlink /proc/self/ns/uts)" ] || { echo "kill_node.sh: $ns_file names this machine's own namespace" >&2; exit 1; }
 pids=""
 for p in /proc/[0-9]*; do
   p=${p#/proc/}

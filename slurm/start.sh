@@ -351,7 +351,9 @@ for i in $(seq 1 "$N"); do
   wait_for 10 alive "slurmd-n$i" slurmd "n$i" || die "slurmd n$i did not stay up"
   # Remember the namespace: stop.sh kills everything in it (slurmstepd and
   # job processes outlive slurmd by design).
-  readlink "/proc/$(cat "$S/pids/slurmd-n$i.pid")/ns/uts" >"$S/pids/slurmd-n$i.ns"
+  ns=$(readlink "/proc/$(cat "$S/pids/slurmd-n$i.pid")/ns/uts")
+  [ "$ns" != "$(readlink /proc/self/ns/uts)" ] || die "slurmd n$i runs in this machine's own UTS namespace"
+  echo "$ns" >"$S/pids/slurmd-n$i.ns"
 done
 rm -f "$S/restart-pending"
 

@@ -79,6 +79,12 @@ stop_one() {
   # They go first, while slurmd is still up: slurmstepd then reports the job
   # as ended at once, instead of retrying a dead slurmd until SIGKILL.
   [ ! -s "$S/pids/$name.ns" ] || ns=$(cat "$S/pids/$name.ns")
+  if [ -n "$ns" ] && [ "$ns" = "$(readlink /proc/self/ns/uts)" ]; then
+    # A namespace file naming this machine's own namespace would make every process here a "job
+    # process" of the node (a test's ranks die of SIGTERM with nothing in their logs): never.
+    echo "stop.sh: $S/pids/$name.ns names this machine's own UTS namespace: not killing by namespace" >&2
+    ns=""
+  fi
   if [ -n "$ns" ]; then
     procs=$(ns_procs "$ns" "$pid" | tr '\n' ' ')
     if [ -n "$procs" ]; then
