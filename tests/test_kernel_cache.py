@@ -12,7 +12,9 @@ def test_the_cache_is_private_and_outside_the_working_directory(tmp_path, monkey
     """Mutant: the old default, outputs/cache under the current directory."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    # set, then deleted: monkeypatch then restores the variable's state afterwards, whatever it sets
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     path = kernel_cache.use_private_cache("TORCH_EXTENSIONS_DIR", "torch_extensions")
     assert path == str(tmp_path / "home-cache" / "hpctrain" / "torch_extensions")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == path
