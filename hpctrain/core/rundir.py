@@ -17,8 +17,10 @@ because the login node asks too: it refuses to start over a run's checkpoints un
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
 from hpctrain.core.compose import to_yaml
@@ -46,10 +48,12 @@ def write_outcome(run_dir: str | os.PathLike, outcome: dict) -> None:
 
 
 def read_outcome(run_dir: str | os.PathLike) -> dict | None:
+    """outcome.json; None when absent or not a JSON object (damaged)."""
     try:
-        return json.loads((Path(run_dir) / OUTCOME).read_text())
+        out = json.loads((Path(run_dir) / OUTCOME).read_text())
     except (OSError, ValueError):
         return None
+    return out if isinstance(out, dict) else None
 
 
 def clear_outcome(run_dir: str | os.PathLike) -> None:
@@ -121,23 +125,117 @@ def attempt_dir(run_dir: str | os.PathLike, attempt: int) -> Path:
     return Path(run_dir) / ATTEMPTS / str(attempt)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
+# What the records of each run file hold, where the readers (supervisor, reports, goodput) use it:
+# field -> kind. A record whose field has another kind is left out as malformed, like a line that is
+# not a JSON object: a hand edit or a damaged file costs that line, never the command reading it.
+# Kinds: "int", "number" (int or float, NaN allowed: a diverged loss), "finite" (a finite number),
+# "str", "ints"/"strings" (lists of them); "!" marks a field every record has, "?" one that may be null.
+RECORDS = {
+    "metrics.jsonl": {"step": "int!", "time": "finite", "loss": "number", "val_loss": "number", "val_ppl": "number",
+                      "step_time_s": "finite", "tokens_per_s": "number", "mfu": "number", "mem_bytes": "number",
+                      "tokens": "number", "step_time_min": "number", "step_time_max": "number"},
+    "attempts.jsonl": {"start": "finite!", "end": "finite", "attempt": "int", "rc": "int?", "nodes": "strings"},
+    INTERRUPTIONS: {"cause": "str!", "detail": "str?", "ranks": "ints", "nodes": "strings", "time": "finite",
+                    "attempt": "int", "checkpoint_step": "int", "last_step": "int", "steps_redone": "finite",
+                    "failed_at": "finite?", "detect_s": "finite?", "restarted_at": "finite?",
+                    "first_step_at": "finite?", "recover_s": "finite?"},
+    CHECKPOINT_LOG: {"step": "int!", "seconds": "finite", "blocked_s": "finite", "bytes": "int", "time": "finite"},
+}
+
+
+def _is_kind(v, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(v, str)
+    if kind in ("ints", "strings"):
+        return isinstance(v, list) and all(_is_kind(x, {"ints": "int", "strings": "str"}[kind]) for x in v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if kind == "int":
+        return isinstance(v, int)
+    return kind == "number" or math.isfinite(v)
+
+
+def json_kind(v) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
+
+
+def record_problem(record, kinds: dict[str, str]) -> str | None:
+    """Why `record` (one parsed line) is not a record of the file whose field kinds are `kinds`."""
+    if not isinstance(record, dict):
+        return f"a JSON {json_kind(record)}, not an object"
+    for key, kind in kinds.items():
+        base = kind.rstrip("!?")
+        if key not in record:
+            if kind.endswith("!"):
+                return f"no {key!r}"
+            continue
+        v = record[key]
+        if v is None and kind.endswith("?"):
+            continue
+        if not _is_kind(v, base):
+            want = {"int": "a whole number", "number": "a number", "finite": "a finite number", "str": "a string",
+                    "ints": "a list of whole numbers", "strings": "a list of strings"}[base]
+            return f"{key}={json.dumps(v)[:40]} is not {want}"
+    return None
+
+
+def read_jsonl_checked(path: str | os.PathLike, kinds: dict[str, str] | None = None) -> tuple[list[dict], list[str]]:
+    """(records, skipped) of a JSON-lines file; ([], []) when it is absent or unreadable. `kinds`
+    (default: RECORDS for the file's name) says what each field holds. A line that is not JSON, not an
+    object, or holds a field of another kind is left out and named in `skipped` as 'file:line: why';
+    the last line without its newline (a write in progress, or cut short by a crash) is left out silently."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(errors="replace")
     except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
+        return [], []
+    kinds = RECORDS.get(Path(path).name, {}) if kinds is None else kinds
+    out, skipped = [], []
+    lines = text.split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line cut short by a crash mid-write
-    return out
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            if i < len(lines):  # the last piece has no newline: being written, or cut by a crash
+                skipped.append(f"{path}:{i}: not JSON ({line.strip()[:40]!r})")
+            continue
+        problem = record_problem(record, kinds)
+        if problem is None:
+            out.append(record)
+        else:
+            skipped.append(f"{path}:{i}: {problem}")
+    return out, skipped
+
+
+def read_jsonl(path: str | os.PathLike, warn: bool = False) -> list[dict]:
+    """The records of a JSON-lines file (see read_jsonl_checked): malformed lines are left out, each
+    named on stderr when `warn`."""
+    records, skipped = read_jsonl_checked(path)
+    if warn:
+        warn_skipped(skipped)
+    return records
+
+
+def warn_skipped(skipped: list[str], stream=None) -> None:
+    """One stderr line per skipped line (the first 10, then a count)."""
+    stream = stream or sys.stderr
+    for s in skipped[:10]:
+        print(f"warning: {s}; line skipped", file=stream)
+    if len(skipped) > 10:
+        print(f"warning: {len(skipped) - 10} more malformed lines skipped", file=stream)
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One line more; a last line left without its newline (a crash mid-write) is ended first, so the
+    new record does not join it."""
+    with open(path, "a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record) + "\n").encode())
 
 
 def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:

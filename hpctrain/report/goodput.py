@@ -5,7 +5,9 @@ it finally happened (metrics.jsonl keeps one record per step; steps trained agai
 replace the lost ones) and the wall time runs from the first start of the ranks to the end of the
 last (attempts.jsonl). The breakdown charges each interruption (interruptions.jsonl) with the time
 from the failure to the first step after the restart, and with the steps it made train again.
-Works on a run in progress too (its wall time ends now).
+Works on a run in progress too (its wall time ends now). Malformed lines of those files are left out
+and named (file:line) under the figures; a wall time that ends before it starts is reported as a
+problem, not as a figure.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl
+from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl_checked
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Goodput:
     interruptions: list = field(default_factory=list)  # the records, as written
     lost_s: float = 0.0  # failure -> first step after the restart, summed
     redone_s: float = 0.0  # steps trained twice, at the median step time
+    skipped: list = field(default_factory=list)  # 'file:line: why' of each malformed line left out
+    problems: list = field(default_factory=list)  # why a figure cannot be trusted (a negative wall time)
 
     @property
     def goodput(self) -> float:
@@ -39,8 +43,15 @@ class Goodput:
 
 def measure(run_dir: str | Path) -> Goodput:
     run_dir = Path(run_dir)
-    attempts = read_jsonl(run_dir / "attempts.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    attempts, skipped_a = read_jsonl_checked(run_dir / "attempts.jsonl")
+    metrics, skipped_m = read_jsonl_checked(run_dir / "metrics.jsonl")
+    interruptions, skipped_i = read_jsonl_checked(run_dir / INTERRUPTIONS)
+    skipped = skipped_a + skipped_m + skipped_i
+    for name, records, bad in (("attempts.jsonl", attempts, skipped_a), ("metrics.jsonl", metrics, skipped_m)):
+        if not records and bad:
+            raise ValueError(f"{run_dir / name} holds no usable record: {len(bad)} malformed line(s) left out "
+                             f"({'; '.join(bad[:3])}). Fix: repair those lines (one JSON object per line, as "
+                             "hpctrain writes them) or remove them")
     if not attempts or not metrics:
         raise ValueError(f"{run_dir} has no attempts.jsonl or metrics.jsonl: is it a run directory "
                          "of hpctrain that has started?")
@@ -48,36 +59,46 @@ def measure(run_dir: str | Path) -> Goodput:
     end = max(a.get("end", time.time()) for a in attempts)
     by_step = {m["step"]: m for m in metrics}  # the last record of a step is the one kept
     every = _log_every(sorted(by_step))
-    times = [m["step_time_s"] for m in by_step.values()]
+    times = [m["step_time_s"] for m in by_step.values() if "step_time_s" in m]
     g = Goodput(wall_s=end - start, productive_s=sum(times) * every, steps=len(by_step) * every,
-                interruptions=read_jsonl(run_dir / INTERRUPTIONS))
+                interruptions=interruptions, skipped=skipped)
+    if g.wall_s < 0:
+        g.problems.append(f"{run_dir / 'attempts.jsonl'}: the run ends (end={end}) {start - end:.1f} s before it "
+                          f"starts (start={start} of its first record): the clocks of the machines that wrote it "
+                          "disagree, or the file was edited. Fix: correct its start and end times")
     median = statistics.median(times) if times else 0.0
     for rec in g.interruptions:
         if rec.get("cause") == "preempted":
             continue
         if rec.get("recover_s") is not None:
             g.lost_s += rec["recover_s"]
-        g.redone_s += rec.get("steps_redone", 0) * median
+        g.redone_s += (rec.get("steps_redone") or 0) * median
     return g
 
 
 def _log_every(steps: list) -> int:
     gaps = [b - a for a, b in zip(steps, steps[1:])]
-    return statistics.median(gaps) if gaps else 1
+    return max(1, round(statistics.median(gaps))) if gaps else 1
 
 
 def report(g: Goodput) -> str:
-    lines = [f"goodput {g.goodput:.1%}: {g.productive_s:.1f} s in {g.steps} productive steps of {g.wall_s:.1f} s wall time",
-             f"  charged to interruptions: {g.lost_s:.1f} s from failure to the next step, "
-             f"{g.redone_s:.1f} s of steps trained again; start-up, saves and the rest: {g.other_s:.1f} s"]
+    if g.problems:  # no figure to give: the wall time is not a time
+        lines = [f"goodput cannot be measured: {p}" for p in g.problems]
+    else:
+        lines = [f"goodput {g.goodput:.1%}: {g.productive_s:.1f} s in {g.steps} productive steps of {g.wall_s:.1f} s wall time",
+                 f"  charged to interruptions: {g.lost_s:.1f} s from failure to the next step, "
+                 f"{g.redone_s:.1f} s of steps trained again; start-up, saves and the rest: {g.other_s:.1f} s"]
     if g.interruptions:
         lines.append(f"{'cause':<10} {'ranks':<8} {'nodes':<10} {'detect s':>9} {'recover s':>10} {'redone':>7}  detail")
         for r in g.interruptions:
             detect = f"{r['detect_s']:.1f}" if r.get("detect_s") is not None else "-"
             recover = f"{r['recover_s']:.1f}" if r.get("recover_s") is not None else "-"
-            lines.append(f"{r['cause']:<10} {','.join(map(str, r.get('ranks', []))) or '-':<8} "
-                         f"{','.join(r.get('nodes', [])) or '-':<10} {detect:>9} {recover:>10} "
-                         f"{r.get('steps_redone', 0):>7}  {r.get('detail', '')[:80]}")
+            lines.append(f"{r['cause']:<10} {','.join(map(str, r.get('ranks') or [])) or '-':<8} "
+                         f"{','.join(r.get('nodes') or []) or '-':<10} {detect:>9} {recover:>10} "
+                         f"{r.get('steps_redone') or 0:>7}  {(r.get('detail') or '')[:80]}")
+    lines += [f"warning: {s}; line left out" for s in g.skipped[:10]]
+    if len(g.skipped) > 10:
+        lines.append(f"warning: {len(g.skipped) - 10} more malformed lines left out")
     return "\n".join(lines)
 
 
@@ -87,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpctrain.report.goodput <run.dir>", file=sys.stderr)
         return 2
     try:
-        print(report(measure(argv[0])))
+        g = measure(argv[0])
+        print(report(g))
     except ValueError as e:
         print(f"hpctrain.report.goodput: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if g.problems else 0
 
 
 if __name__ == "__main__":

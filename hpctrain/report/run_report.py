@@ -56,13 +56,14 @@ def _json(path: Path) -> Optional[dict]:
 
 def load(run_dir: str | Path) -> Run:
     d = Path(run_dir)
-    metrics = read_jsonl(d / "metrics.jsonl")
+    metrics = read_jsonl(d / "metrics.jsonl", warn=True)  # malformed lines: left out, named on stderr
     if not metrics and not (d / "plan.json").exists():
         raise ValueError(f"{d} holds neither metrics.jsonl nor plan.json: not an hpctrain run directory "
                          f"(run.dir of a run). Fix: pass the run.dir printed when the run started")
-    checkpoints = {c["step"]: c for c in read_jsonl(d / CHECKPOINT_LOG)}  # a step saved twice: the last
+    checkpoints = {c["step"]: c for c in read_jsonl(d / CHECKPOINT_LOG, warn=True)}  # a step saved twice: the last
     return Run(d, metrics, _json(d / "plan.json") or {}, [checkpoints[s] for s in sorted(checkpoints)],
-               read_jsonl(d / INTERRUPTIONS), read_jsonl(d / "attempts.jsonl"), _json(d / OUTCOME))
+               read_jsonl(d / INTERRUPTIONS, warn=True), read_jsonl(d / "attempts.jsonl", warn=True),
+               _json(d / OUTCOME))
 
 
 # ------------------------------------------------------------------------------------------ plots

@@ -31,12 +31,12 @@ class Row:
 
 
 def row(run_dir: Path, name: str, overrides: list[str]) -> Row:
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl", warn=True)  # malformed lines: left out, named on stderr
     train = [m for m in metrics if "loss" in m]
     val = [m for m in metrics if "val_loss" in m]
     try:
         outcome = json.loads((run_dir / OUTCOME).read_text())
-        status = str(outcome.get("status", "?"))
+        status = str(outcome.get("status", "?")) if isinstance(outcome, dict) else "?"
     except (OSError, ValueError):
         status = "running" if metrics else "not started"
     best = min(val, key=lambda m: m["val_loss"]) if val else None
@@ -52,7 +52,14 @@ def rows(sweep_dir: str | Path) -> list[Row]:
     sweep = read_sweep(d)
     if sweep is None:
         raise ValueError(f"{d} holds no sweep.json: not the directory of a `python -m hpctrain -m` sweep")
-    return [row(d / e["name"], e["name"], e["overrides"]) for e in sweep["elements"]]
+    elements = sweep.get("elements") if isinstance(sweep, dict) else None
+    if not isinstance(elements, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"] not in ("", ".", "..")
+            and "/" not in e["name"] and isinstance(e.get("overrides", []), list) for e in elements):
+        raise ValueError(f"{d / 'sweep.json'} is damaged: it needs \"elements\", a list of objects each with a "
+                         "\"name\" (its directory) and \"overrides\" (a list). Fix: restore it, or run the sweep "
+                         "again with `python -m hpctrain -m`")
+    return [row(d / e["name"], e["name"], [str(o) for o in e.get("overrides", [])]) for e in elements]
 
 
 def _fmt(x, spec: str = ".4f") -> str:
