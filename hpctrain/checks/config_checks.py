@@ -196,7 +196,7 @@ def _data(cfg: Config):
     named = ([(f"data.sources[{i}].path", s.path, s.weight) for i, s in enumerate(d.sources)]
              if d.sources else [("data.path", d.path, 1.0)])
     # heavy: numpy (~0.2 s), only when the config reads token shards
-    from hpctrain.data.shards import longest_shard, read_meta
+    from hpctrain.data.shards import longest_shard, problems as shard_problems, read_meta
 
     metas = []
     for key, path, weight in named:
@@ -206,11 +206,13 @@ def _data(cfg: Config):
             yield (f"{key}={path} is not a directory of token shards. "
                    "Fix: make one with `python -m hpctrain.data.prepare <corpus> <out dir>` and pass " f"{key}=<out dir>")
             continue
-        meta = read_meta(path)
-        if meta is None:
-            yield (f"{key}={path} holds no meta.json: it was not made by hpctrain.data.prepare, or that was "
-                   f"interrupted. Fix: python -m hpctrain.data.prepare <corpus> {path}")
+        # meta.json present and well formed, every shard file there with the length it says: a file
+        # missing or cut short would otherwise pass here and fail on the ranks.
+        found = shard_problems(path, ["train", "val"] if cfg.eval.every > 0 else ["train"])
+        if found:
+            yield from (f"{key}={path}: {p}" for p in found)
             continue
+        meta = read_meta(path)
         metas.append((key, path, meta))
         if meta["vocab_size"] > cfg.model.vocab_size:
             yield (f"the tokenizer of {key}={path} has {meta['vocab_size']} token ids but model.vocab_size="
@@ -224,11 +226,18 @@ def _data(cfg: Config):
             yield (f"eval.every={cfg.eval.every} needs data.seq_len + 1 = {d.seq_len + 1} validation tokens in one "
                    f"shard of {key}={path}, which has {have}. Fix: prepare it with a larger --val-fraction, "
                    f"or eval.every=0")
-    tokenizers = {(m.get("tokenizer") or {}).get("sha256", "bytes") for _, _, m in metas}
+    tokenizers = {_tokenizer_id(m) for _, _, m in metas}
     if len(metas) > 1 and (len(tokenizers) > 1 or len({m["vocab_size"] for _, _, m in metas}) > 1):
         listing = ", ".join(f"{k} ({m['vocab_size']} ids)" for k, _, m in metas)
         yield (f"data.sources were tokenized differently: {listing}, with {len(tokenizers)} different tokenizers. "
                f"Fix: prepare every source with the same --tokenizer")
+
+
+def _tokenizer_id(meta: dict) -> str:
+    """The tokenizer a shard directory was made with: its sha256, "bytes" for none (directories from
+    before tokenizers say "tokenizer": "bytes")."""
+    t = meta.get("tokenizer")
+    return str(t.get("sha256", "bytes")) if isinstance(t, dict) else str(t or "bytes")
 
 
 @_check

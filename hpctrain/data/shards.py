@@ -12,11 +12,13 @@ import bisect
 import json
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 META = "meta.json"
 SPLITS = ("train", "val")
+DTYPES = ("uint8", "uint16", "uint32")  # what hpctrain.data.prepare writes (dtype_for)
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -27,15 +29,94 @@ def dtype_for(vocab_size: int) -> str:
 
 
 def read_meta(path: str | os.PathLike) -> dict | None:
-    """The index of a shard directory; None when there is none. Directories from before splits
-    (one "shards" list) read as a train split without validation."""
+    """The index of a shard directory; None when there is none, or it is not a JSON object (problems()
+    says why). Directories from before splits (one "shards" list) read as a train split without validation."""
     try:
         meta = json.loads((Path(path) / META).read_text())
     except (OSError, ValueError):
         return None
+    return _upgraded(meta) if isinstance(meta, dict) else None
+
+
+def _upgraded(meta: dict) -> dict:
     if "splits" not in meta and "shards" in meta:
         meta["splits"] = {"train": {"shards": meta["shards"], "tokens": meta.get("total_tokens", 0)}}
     return meta
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def problems(path: str | os.PathLike, splits: Sequence[str] | None = None, limit: int = 5) -> list[str]:
+    """What keeps the shard directory `path` from being read, each naming the file and the fix: meta.json
+    missing, unreadable or malformed; a shard file of `splits` (default: every split) missing, outside the
+    directory, or of another length than meta.json says (cut short by a copy, or left from another
+    prepare). Empty when it can be read. Reads meta.json and the shards' sizes only (one stat each): cheap
+    on the login node."""
+    d = Path(path)
+    again = f"Fix: prepare it again: python -m hpctrain.data.prepare <corpus> {d}"
+    recopy = f"Fix: copy the directory again from where it was prepared, or prepare it again: " \
+             f"python -m hpctrain.data.prepare <corpus> {d}"
+    meta_path = d / META
+    try:
+        text = meta_path.read_text()
+    except FileNotFoundError:
+        return [f"{meta_path} is missing: not a directory made by hpctrain.data.prepare, or that was interrupted "
+                f"(it writes {META} last). {again}"]
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
+        return [f"{meta_path} cannot be read ({getattr(e, 'strerror', None) or e}). {recopy}"]
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return [f"{meta_path} is not valid JSON ({e}): damaged. {recopy}"]
+    if not isinstance(raw, dict):
+        kind = {list: "an array", str: "a string", type(None): "null"}.get(type(raw), "a number")
+        return [f"{meta_path} holds {kind}, not the JSON object hpctrain.data.prepare writes. {again}"]
+    meta = _upgraded(raw)
+    out = []
+    vocab = meta.get("vocab_size")
+    if not _whole(vocab) or vocab < 1:
+        out.append(f"{meta_path}: vocab_size={json.dumps(vocab)} must be a positive whole number. {again}")
+    dtype = meta.get("dtype")
+    if dtype not in DTYPES:
+        out.append(f"{meta_path}: dtype={json.dumps(dtype)} is not one of {', '.join(DTYPES)}. {again}")
+        dtype = None
+    wanted, splits = splits, meta.get("splits")
+    if not isinstance(splits, dict) or not all(isinstance(v, dict) and isinstance(v.get("shards"), list)
+                                               for v in splits.values()):
+        out.append(f"{meta_path}: \"splits\" must map each split (train, val) to an object with a \"shards\" "
+                   f"list. {again}")
+        return out
+    itemsize = np.dtype(dtype).itemsize if dtype else None
+    for split, part in splits.items():
+        if wanted is not None and split not in wanted:
+            continue
+        for i, shard in enumerate(part["shards"]):
+            where = f"{meta_path}: splits.{split}.shards[{i}]"
+            name = shard.get("file") if isinstance(shard, dict) else None
+            tokens = shard.get("tokens") if isinstance(shard, dict) else None
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                out.append(f"{where}: file={json.dumps(name)} is not the name of a file in {d}. {again}")
+                continue
+            if not _whole(tokens) or tokens < 0:
+                out.append(f"{where}: tokens={json.dumps(tokens)} must be a whole number, 0 or more. {again}")
+                continue
+            f = d / name
+            try:
+                size = f.stat().st_size
+            except (OSError, ValueError):  # ValueError: a name with a NUL
+                out.append(f"{f} is missing ({META} lists it in the {split} split with {tokens:,} tokens). {recopy}")
+                continue
+            if not f.is_file():
+                out.append(f"{f} is not a file ({META} lists it as a shard of the {split} split). {recopy}")
+            elif itemsize and size != tokens * itemsize:
+                have = f"{size:,} bytes ({size // itemsize:,} tokens of {dtype})"
+                why = ("cut short: an interrupted copy or prepare" if size < tokens * itemsize else
+                       "longer than that: not the file this meta.json describes")
+                out.append(f"{f} holds {have} but {META} says {tokens:,} tokens ({tokens * itemsize:,} bytes): "
+                           f"{why}. {recopy}")
+    return out[:limit] + ([f"... and {len(out) - limit} more like these"] if len(out) > limit else [])
 
 
 def split_tokens(meta: dict, split: str) -> int:
@@ -48,9 +129,12 @@ def longest_shard(meta: dict, split: str) -> int:
 
 class ShardDataset:
     def __init__(self, path: str | os.PathLike, seq_len: int, split: str = "train"):
-        meta = read_meta(path)
-        if meta is None:
+        if not (Path(path) / META).exists():
             raise FileNotFoundError(f"{path}/{META} is missing: make shards with `python -m hpctrain.data.prepare`")
+        found = problems(path, [split])  # checked on the login node too; the directory may have changed since
+        if found:
+            raise ValueError(f"{path} cannot be read as token shards: " + "; ".join(found))
+        meta = read_meta(path)
         part = meta["splits"].get(split)
         if part is None:
             raise ValueError(f"{path} has no {split} split: prepare it again with --val-fraction above 0")
