@@ -222,9 +222,14 @@ def script_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
                        "Fix: use the long option without dashes, e.g. +cluster.sbatch_extra.mail-type=END")
         values[f"cluster.sbatch_extra.{key}"] = value
     for key, value in values.items():
-        if value is not None and not isinstance(value, bool) and any(ch in str(value) for ch in _UNWRITABLE):
+        if value is None or isinstance(value, bool):
+            continue
+        if any(ch in str(value) for ch in "\n\r"):
             out.append(f"{key}={str(value)!r} holds a line break, which cannot be written into an #SBATCH line "
                        f"(sbatch would read the rest as a new line). Fix: give {key} on one line")
+        elif "\0" in str(value):
+            out.append(f"{key}={str(value)!r} holds a NUL character, which no #SBATCH line, argument or path can "
+                       f"hold. Fix: remove it from {key}")
     if "\\" in str(values["run.dir"]):
         out.append(f"run.dir={values['run.dir']!r} holds a backslash, which turns off Slurm's %j in the log file "
                    "name. Fix: choose a run.dir without backslashes")
