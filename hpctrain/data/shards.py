@@ -94,8 +94,10 @@ def problems(path: str | os.PathLike, splits: Sequence[str] | None = None, limit
             continue
         for i, shard in enumerate(part["shards"]):
             where = f"{meta_path}: splits.{split}.shards[{i}]"
-            name = shard.get("file") if isinstance(shard, dict) else None
-            tokens = shard.get("tokens") if isinstance(shard, dict) else None
+            if not isinstance(shard, dict):
+                out.append(f"{where}={json.dumps(shard)[:60]} is not an object {{file, tokens}}. {again}")
+                continue
+            name, tokens = shard.get("file"), shard.get("tokens")
             if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
                 out.append(f"{where}: file={json.dumps(name)} is not the name of a file in {d}. {again}")
                 continue
