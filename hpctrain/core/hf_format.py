@@ -17,7 +17,12 @@ from hpctrain.core.schema import ModelConfig
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
-DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+# The safetensors dtypes the loader (safetensors.torch) reads, and their bytes per element.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8}
+FLOAT_DTYPES = {"F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ"}
+MAX_HEADER = 100_000_000  # bytes: the safetensors library refuses a longer header
+AGAIN = "Fix: download it again (the file is damaged, or not a safetensors file)"
 
 # hpctrain name -> Hugging Face name; {i}: the block.
 NAMES = {
@@ -67,6 +72,8 @@ def expected_shapes(m: ModelConfig) -> dict[str, tuple]:
 # ------------------------------------------------------------------------------------ config.json
 
 def read_config(path: str | Path) -> dict:
+    """model.init_from's config.json, checked: a JSON object of a Llama with the keys model_keys() reads,
+    each of its kind and range (HFError naming the file, the key and the fix)."""
     p = Path(path) / CONFIG
     if not Path(path).is_dir():
         raise HFError(f"model.init_from={path} is not a directory. Fix: point model.init_from at a Hugging Face "
@@ -76,25 +83,106 @@ def read_config(path: str | Path) -> dict:
                       "point model.init_from at the directory that holds config.json and the *.safetensors files")
     try:
         cfg = json.loads(p.read_text())
-    except ValueError as e:
-        raise HFError(f"{p} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise HFError(f"{p} cannot be read ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+        raise HFError(f"{p} is not valid JSON ({e}). Fix: download config.json again") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{p} holds a JSON {_json_kind(cfg)}, not an object of keys. Fix: download config.json again")
     arch = cfg.get("model_type")
     if arch not in ("llama", None):
         raise HFError(f"{p} describes a {arch!r} model; hpctrain trains Llama models (model_type 'llama')")
+    _check_config(cfg, str(p))
     return cfg
 
 
+def _json_kind(v) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(v), "number")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(v) -> bool:
+    """A finite number above 0 (JSON's NaN and Infinity are numbers to Python's json)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+# config.json keys -> what each must be; model_keys() reads them.
+_WHOLE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_OPTIONAL_WHOLE = ("num_key_value_heads", "head_dim")
+_OPTIONAL_POSITIVE = ("rms_norm_eps", "rope_theta")
+_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _config_problems(hf: dict) -> list[str]:
+    out = []
+    show = lambda k, v: f"{k}={json.dumps(v)[:60]}"  # noqa: E731 - as the file holds it
+    for k in _WHOLE:
+        if k not in hf or hf[k] is None:
+            out.append(f"{k} is missing")
+        elif not (_whole(hf[k]) and hf[k] > 0):
+            out.append(f"{show(k, hf[k])} must be a positive whole number")
+    for k in _OPTIONAL_WHOLE:
+        if hf.get(k) is not None and not (_whole(hf[k]) and hf[k] > 0):
+            out.append(f"{show(k, hf[k])} must be a positive whole number (or absent)")
+    for k in _OPTIONAL_POSITIVE:
+        if hf.get(k) is not None and not _positive(hf[k]):
+            out.append(f"{show(k, hf[k])} must be a finite number above 0")
+    if hf.get("tie_word_embeddings") is not None and not isinstance(hf["tie_word_embeddings"], bool):
+        out.append(f"{show('tie_word_embeddings', hf['tie_word_embeddings'])} must be true or false")
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = hf.get(key)
+        if scaling is None:
+            continue
+        if not isinstance(scaling, dict):
+            out.append(f"{show(key, scaling)} must be an object (or null)")
+            continue
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind is not None and not isinstance(kind, str):
+            out.append(f"{key}.rope_type={json.dumps(kind)[:60]} must be a string")
+        if scaling.get("rope_theta") is not None and not _positive(scaling["rope_theta"]):
+            out.append(f"{show(key + '.rope_theta', scaling['rope_theta'])} must be a finite number above 0")
+        if kind == "llama3":
+            for k in _LLAMA3:
+                v = scaling.get(k)
+                if v is None:
+                    out.append(f"{key}.{k} is missing (Llama 3.1's 'llama3' scaling needs {', '.join(_LLAMA3)})")
+                elif not _positive(v) or (k == _LLAMA3[-1] and not _whole(v)):
+                    what = "a positive whole number" if k == _LLAMA3[-1] else "a finite number above 0"
+                    out.append(f"{show(key + '.' + k, v)} must be {what}")
+    if not out:
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        if head_dim * heads != hf["hidden_size"]:
+            out.append(f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}: hpctrain's Llama "
+                       "needs hidden_size = heads x head_dim")
+        kv = hf.get("num_key_value_heads") or heads
+        if heads % kv:
+            out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    return out
+
+
+def _check_config(hf: dict, where: str) -> None:
+    found = _config_problems(hf)
+    if found:
+        raise HFError(f"{where}: " + "; ".join(found) + ". Fix: download config.json again (the model's own, "
+                      "from where its weights came), or correct those keys")
+
+
 def model_keys(hf: dict) -> dict:
-    """Our model.* keys from a Hugging Face Llama config.json."""
+    """Our model.* keys from a Hugging Face Llama config.json (HFError when it lacks one or holds a
+    value of another kind: read_config() checks the same, naming the file)."""
+    if not isinstance(hf, dict):
+        raise HFError(f"{CONFIG} holds a JSON {_json_kind(hf)}, not an object of keys. Fix: download it again")
+    _check_config(hf, CONFIG)
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise HFError(f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}: hpctrain's Llama "
-                      "needs hidden_size = heads x head_dim")
     keys = {"dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads,
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_dim": hf["intermediate_size"],
-            "vocab_size": hf["vocab_size"], "norm_eps": hf.get("rms_norm_eps", 1e-5),
-            "rope_theta": float(hf.get("rope_theta", 10000.0)), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps") or 1e-5),
+            "rope_theta": float(hf.get("rope_theta") or 10000.0),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling": 0.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
             "rope_original_max_seq_len": 8192}
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
@@ -105,7 +193,7 @@ def model_keys(hf: dict) -> dict:
         keys.update(rope_scaling=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
                     rope_high_freq_factor=float(scaling["high_freq_factor"]),
                     rope_original_max_seq_len=int(scaling["original_max_position_embeddings"]))
-    if "rope_theta" not in hf and scaling and "rope_theta" in scaling:
+    if hf.get("rope_theta") is None and scaling and scaling.get("rope_theta") is not None:
         keys["rope_theta"] = float(scaling["rope_theta"])
     return keys
 
@@ -139,7 +227,11 @@ def mismatches(m: ModelConfig, hf_keys: dict) -> list[str]:
 # ------------------------------------------------------------------------------------ safetensors
 
 def read_header(path: Path) -> dict:
-    """{name: {dtype, shape, data_offsets}} of one safetensors file; HFError naming it when damaged."""
+    """{name: {dtype, shape, data_offsets}} of one safetensors file, checked as the safetensors library
+    checks it when a rank opens the file: a JSON object of entries with a known dtype, a shape of whole
+    numbers 0 or more, and data_offsets holding exactly the shape's bytes; the tensors' bytes one after
+    another from the start of the data, without gaps or overlaps, to the end of the file. HFError
+    naming the file, the tensor and the fix when not."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -150,37 +242,102 @@ def read_header(path: Path) -> dict:
             if 8 + n > size:
                 raise HFError(f"{path} is truncated: its header says {n} bytes, the file has {size}. "
                               "Fix: download it again")
+            if n > MAX_HEADER:
+                raise HFError(f"{path}: its header would be {n:,} bytes, more than safetensors allows "
+                              f"({MAX_HEADER:,}). {AGAIN}")
             header = json.loads(f.read(n))
+    except HFError:
+        raise
     except OSError as e:
         raise HFError(f"{path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise HFError(f"{path} is not a safetensors file (unreadable header: {e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise HFError(f"{path} is truncated: its tensors need {8 + n + end} bytes, the file has {size}. "
-                      "Fix: download it again")
-    header.pop("__metadata__", None)
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8
+        raise HFError(f"{path} is not a safetensors file (unreadable header: {e}). {AGAIN}") from None
+    if not isinstance(header, dict):
+        raise HFError(f"{path}: its header is a JSON {_json_kind(header)}, not an object of tensors. {AGAIN}")
+    meta = header.pop("__metadata__", None)
+    found = []
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        found.append("__metadata__ must be an object of strings")
+    spans = []
+    for name, v in header.items():
+        problem = _entry_problem(v)
+        if problem:
+            found.append(f"tensor {name}: {problem}")
+        else:
+            spans.append((*v["data_offsets"], name))
+    data = size - 8 - n
+    if not found:
+        at, before = 0, None
+        for begin, end, name in sorted(spans, key=lambda t: (t[0], t[1])):
+            if begin < at:
+                found.append(f"tensor {name}: data_offsets [{begin}, {end}] overlap those of {before}, "
+                             f"which end at {at}")
+            elif begin > at:
+                found.append(f"tensor {name}: data_offsets [{begin}, {end}] leave bytes {at}..{begin} of the data "
+                             f"to no tensor" + (f" (after {before})" if before else ""))
+            if end > at:
+                at, before = end, name
+        if not found and at > data:
+            raise HFError(f"{path} is truncated: its tensors need {8 + n + at} bytes, the file has {size}. "
+                          "Fix: download it again")
+        if not found and at < data:
+            found.append(f"{data - at} bytes after the last tensor's data, which safetensors does not allow")
+        found += [f"tensor {name}: data_offsets [{begin}, {end}] reach past the end of the file (its data is "
+                  f"{data} bytes)" for begin, end, name in spans if end > data and found]
+    if found:
+        more = f"; ... and {len(found) - 5} more" if len(found) > 5 else ""
+        raise HFError(f"{path} is damaged: " + "; ".join(found[:5]) + more + f". {AGAIN}")
     return header
 
 
+def _entry_problem(v) -> str | None:
+    """Why one header entry is not {dtype, shape, data_offsets} of a tensor whose bytes fit its shape."""
+    if not isinstance(v, dict):
+        return f"{json.dumps(v)[:60]} is not an object with dtype, shape and data_offsets"
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        return f"dtype {json.dumps(dtype)[:40]} is not one the loader reads ({', '.join(DTYPE_BYTES)})"
+    if not isinstance(shape, list) or not all(_whole(d) and d >= 0 for d in shape):
+        return f"shape {json.dumps(shape)[:60]} is not a list of whole numbers, 0 or more"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        return f"data_offsets {json.dumps(offsets)[:60]} is not [begin, end] with 0 <= begin <= end"
+    need = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != need:
+        return (f"shape {shape} of {dtype} is {need} bytes, but data_offsets {offsets} hold "
+                f"{offsets[1] - offsets[0]}")
+    return None
+
+
 def tensors(path: str | Path) -> dict[str, tuple[str, tuple, str]]:
-    """Hugging Face name -> (dtype, shape, file) over the directory's safetensors files."""
+    """Hugging Face name -> (dtype, shape, file) over the directory's safetensors files: every
+    *.safetensors file in it (the ranks' loader reads them all) and those model.safetensors.index.json
+    names (which must be there)."""
     d = Path(path)
     index = d / INDEX
+    files = {p.name for p in d.glob("*.safetensors")}
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise HFError(f"{index} is not a safetensors index ({e})") from None
-    else:
-        files = sorted(p.name for p in d.glob("*.safetensors"))
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise HFError(f"{index} is not a safetensors index ({type(e).__name__}: {e}). Fix: download it "
+                          "again, or remove it (the *.safetensors files are read without it)") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f not in ("", ".", "..") and "/" not in f and "\\" not in f
+                for f in weight_map.values()):
+            raise HFError(f"{index}: \"weight_map\" must map each tensor name to the name of a file in {d}. "
+                          "Fix: download it again, or remove it (the *.safetensors files are read without it)")
+        for name in sorted(set(weight_map.values())):
+            if not (d / name).is_file():
+                raise HFError(f"{d / name} is listed in {INDEX} but missing. Fix: download it")
+        files |= set(weight_map.values())
     if not files:
         raise HFError(f"{d} holds no *.safetensors files. Fix: download the model's weights into it")
     out = {}
-    for name in files:
+    for name in sorted(files):
         p = d / name
         if not p.is_file():
-            raise HFError(f"{p} is listed in {INDEX} but missing. Fix: download it")
+            raise HFError(f"{p} is not a file. Fix: remove it, or download the file it should be")
         for k, v in read_header(p).items():
             out[k] = (v["dtype"], tuple(v["shape"]), name)
     return out
@@ -188,7 +345,8 @@ def tensors(path: str | Path) -> dict[str, tuple[str, tuple, str]]:
 
 def problems(m: ModelConfig, path: str | Path) -> list[str]:
     """What keeps the directory from initializing a model of config `m`: config.json disagreeing
-    with the model keys, tensors missing or of another shape. Empty when it fits."""
+    with the model keys, or damaged; tensors missing, damaged, of another shape, or not floating point.
+    Empty when it fits."""
     try:
         keys = model_keys(read_config(path))
         found = mismatches(m, keys)
@@ -198,8 +356,6 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
         have = tensors(path)
     except HFError as e:
         return [str(e)]
-    except KeyError as e:
-        return [f"{Path(path) / CONFIG} lacks {e}: not a Llama config"]
     out = []
     for name, shape in expected_shapes(m).items():
         if name not in have:
@@ -207,4 +363,7 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
         elif have[name][1] != shape:
             out.append(f"{Path(path) / have[name][2]}: {name} has shape {list(have[name][1])}, the model needs "
                        f"{list(shape)}. Fix: a checkpoint of this model's shape")
+        elif have[name][0] not in FLOAT_DTYPES:
+            out.append(f"{Path(path) / have[name][2]}: {name} is {have[name][0]}, not floating point: the model's "
+                       f"weights are. Fix: a checkpoint in F32, BF16 or F16")
     return out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
