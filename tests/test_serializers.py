@@ -537,6 +537,24 @@ def test_sweep_of_one_env_keeps_one_block():
 
 
 @pytest.mark.slow
+def test_each_task_runs_its_own_setup_as_written(tmp_path, shim_bin):
+    """cluster.setup is the user's shell as written, here-documents included (their end marker must
+    start its line), in the array script and in submitit's."""
+    base = config("sbatch")
+    cfgs = [element(base, {}, ["SETUP_RAN=$(cat <<'EOF'", f"setup of element {i}", "EOF", ")", "export SETUP_RAN"])
+            for i in range(2)]
+    texts = [sbatch_script(cfgs[0], "/s", str(shim_bin / "python"), array_dirs=["/s/a", "/s/b"], array_cfgs=cfgs),
+             submitit_script(executor_parameters(cfgs[0], None, array_cfgs=cfgs), "/s/submitit",
+                             str(shim_bin / "python"), array=2)]
+    for text in texts:
+        for i in range(2):
+            proc, calls, _ = run_script(text, tmp_path / f"task{i}", shim_bin, {"SLURM_ARRAY_TASK_ID": str(i)})
+            assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+            ((_, _, seen),) = calls
+            assert seen["SETUP_RAN"] == f"setup of element {i}"
+
+
+@pytest.mark.slow
 @RUNS
 @given(dirs=st.lists(st.text(min_size=1, max_size=24).filter(lambda s: "/" not in s and "\0" not in s
                                                             and s not in (".", "..") and len(s.encode()) < 200),
@@ -639,6 +657,9 @@ def test_submitit_array_gives_each_task_its_element(tmp_path, shim_bin, envs_):
         assert proc.returncode == 0, proc.stderr.decode(errors="replace")
         ((who, argv, seen),) = calls
         same_env(seen, expected_env(start, {**e, "SUBMITIT_EXECUTOR": "slurm"}), e)
+    if any(e != envs_[0] for e in envs_):  # submitit's script has no `set -u` to stop an unknown task
+        proc, calls, _ = run_script(text, tmp_path / "outside", shim_bin, {"SLURM_ARRAY_TASK_ID": str(len(envs_))})
+        assert proc.returncode != 0 and calls == []
 
 
 # ---------------------------------------------------------------------- a sweep, end to end

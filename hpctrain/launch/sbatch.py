@@ -91,7 +91,7 @@ def per_task(blocks: list[list[str]]) -> list[str]:
     lines = ['case "${SLURM_ARRAY_TASK_ID-}" in']
     for i, block in enumerate(blocks):
         lines += [f"{i})", *block, ";;"]
-    return lines + ["*)", 'echo "hpctrain: array task ${SLURM_ARRAY_TASK_ID-(unset)} is no element of this sweep" >&2',
+    return lines + ["*)", 'echo "hpctrain: array task ${SLURM_ARRAY_TASK_ID-(unset)} is not an element of this sweep" >&2',
                     "exit 1", ";;", "esac"]
 
 
