@@ -492,3 +492,18 @@ def test_read_outcome_of_a_damaged_file(tmp_path):
     assert read_outcome(tmp_path) is None
     (tmp_path / "outcome.json").write_text('{"status": "completed"}')
     assert read_outcome(tmp_path) == {"status": "completed"}
+
+
+def test_metrics_after_a_torn_line_keep_the_restarted_runs_first_record(tmp_path):
+    """A rank killed mid-write leaves metrics.jsonl's last line without its newline; the restarted run's
+    logger ends it first. Mutant: MetricsLogger opening the file without end_torn_line (its first record
+    joins the torn line and is lost to every reader)."""
+    import io
+
+    from hpctrain.train.metrics import MetricsLogger, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    m = MetricsLogger(tmp_path, total_steps=3, stream=io.StringIO(), live=False)
+    m.file.write('{"step": 2, "loss": 1.5}\n')
+    m.file.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

@@ -230,12 +230,21 @@ def warn_skipped(skipped: list[str], stream=None) -> None:
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """One line more; a last line left without its newline (a crash mid-write) is ended first, so the
     new record does not join it."""
-    with open(path, "a+b") as f:
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+    end_torn_line(path)
+    with open(path, "ab") as f:
         f.write((json.dumps(record) + "\n").encode())
+
+
+def end_torn_line(path: str | os.PathLike) -> None:
+    """End the file's last line if a crash mid-write left it without its newline (no-op otherwise)."""
+    try:
+        with open(path, "r+b") as f:
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+    except FileNotFoundError:
+        pass
 
 
 def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:

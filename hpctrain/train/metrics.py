@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from hpctrain.core.rundir import end_torn_line, read_jsonl
 from hpctrain.train.trackers import scalars
 
 log = logging.getLogger("hpctrain")
@@ -34,6 +35,7 @@ class MetricsLogger:
                  stream: IO[str] | None = None, live: bool | None = None):
         """`trackers`: hpctrain.train.trackers.Tracker objects, not yet started (trackers.from_config)."""
         self.path = Path(run_dir) / "metrics.jsonl"
+        end_torn_line(self.path)  # a rank killed mid-write: the restarted run's first record stays whole
         self.file = open(self.path, "a", buffering=1)
         self.total = total_steps
         self.stream = stream or sys.stdout
@@ -118,7 +120,4 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
