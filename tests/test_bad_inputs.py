@@ -507,3 +507,15 @@ def test_metrics_after_a_torn_line_keep_the_restarted_runs_first_record(tmp_path
     m.file.write('{"step": 2, "loss": 1.5}\n')
     m.file.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '["eos_token"]', '{"eos_token": 5}'])
+def test_a_damaged_tokenizer_config_is_no_eos_not_a_traceback(tmp_path, text):
+    """tokenizer_config.json beside tokenizer.json only suggests the end-of-document token. Mutant: the
+    old reader (RecursionError on deep nesting, AttributeError on an array, 5 taken for a token)."""
+    from hpctrain.data.tokenizer import configured_eos
+
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    assert configured_eos(tmp_path / "tokenizer.json") is None
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": {"content": "</s>"}}')
+    assert configured_eos(tmp_path / "tokenizer.json") == "</s>"

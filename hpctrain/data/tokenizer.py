@@ -34,10 +34,12 @@ def configured_eos(tokenizer_json: Path) -> str | None:
     """The eos_token of the tokenizer_config.json beside tokenizer.json, where there is one."""
     cfg = tokenizer_json.parent / "tokenizer_config.json"
     try:
-        eos = json.loads(cfg.read_text()).get("eos_token")
-    except (OSError, ValueError):
+        doc = json.loads(cfg.read_text())
+    except (OSError, ValueError, RecursionError):  # absent, not JSON, nested past the parser's depth
         return None
-    return eos.get("content") if isinstance(eos, dict) else eos
+    eos = doc.get("eos_token") if isinstance(doc, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 class Encoder:
