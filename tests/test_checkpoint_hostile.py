@@ -132,3 +132,38 @@ def test_the_allow_list_reads_every_record_dcp_writes(tmp_path):
         md = read_metadata(tmp_path / str(i))
         assert {k: tuple(v.size) for k, v in md.state_dict_metadata.items()} == {k: tuple(v.shape) for k, v in sd.items()}
         assert {v.properties.dtype for v in md.state_dict_metadata.values()} == {v.dtype for v in sd.values()}
+
+
+# ------------------------------------------------------------ the single-file export's target
+
+def test_a_file_the_export_did_not_write_is_not_overwritten(step_dir, tmp_path):
+    """Mutant: the old export (torch.save / save_file straight over whatever was there)."""
+    from hpctrain.core.outdir import OutputDirError
+
+    for name in ("weights.pt", "model.safetensors"):
+        theirs = tmp_path / name
+        theirs.write_bytes(b"the user's own file")
+        with pytest.raises(OutputDirError, match=f"{theirs} exists and was not written by this command. Fix: "):
+            export(step_dir, theirs)
+        assert theirs.read_bytes() == b"the user's own file"
+    with pytest.raises(OutputDirError, match="is a directory. Fix: name a file"):
+        export(step_dir, tmp_path)
+
+
+def test_an_earlier_export_is_replaced_and_a_failed_one_keeps_it(step_dir, tmp_path, monkeypatch):
+    """Its own earlier safetensors export is replaced; an export that fails part way leaves it whole.
+    Mutant: writing in place (a failed save_file truncates the earlier export)."""
+    import hpctrain.checkpoint.__main__ as tool
+
+    out = tmp_path / "model.safetensors"
+    export(step_dir, out)
+    export(step_dir, out, dtype="bf16")  # its own: replaced
+    before = out.read_bytes()
+
+    def fail(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(tool, "save_file", fail)
+    with pytest.raises(OSError):
+        export(step_dir, out)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "run"]

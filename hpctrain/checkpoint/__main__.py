@@ -14,10 +14,12 @@ torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any la
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -28,7 +30,32 @@ from hpctrain.checkpoint.hf_weights import export_hf
 from hpctrain.core.outdir import OutputDirError
 
 
+EXPORTED_BY = "hpctrain.checkpoint export"  # in a safetensors export's metadata: the file is ours to replace
+
+
+def single_file_problem(out: Path) -> str | None:
+    """Why the single-file export may not write `out`: a directory, or a file it did not write (only a
+    safetensors file whose metadata says it came from this command is replaced)."""
+    if out.is_dir():
+        return (f"{out} is a directory. Fix: name a file (model.safetensors, or .pt), or export a Hugging Face "
+                "directory with --format hf")
+    if out.exists() or out.is_symlink():
+        if out.suffix == ".safetensors" and not out.is_symlink():
+            try:
+                with safe_open(str(out), "pt") as f:
+                    if (f.metadata() or {}).get("exported_by") == EXPORTED_BY:
+                        return None
+            except Exception:  # not a safetensors file at all: not ours either
+                pass
+        return (f"{out} exists and was not written by this command. Fix: choose a new file name, or remove "
+                f"{out} if it is not needed")
+    return None
+
+
 def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
+    problem = single_file_problem(out)
+    if problem:
+        raise OutputDirError(problem)
     md = read_metadata(step_dir)
     check_files(step_dir, md)
     keys = {k for k in md.state_dict_metadata if k.startswith("model.")}
@@ -44,10 +71,16 @@ def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
                 t = t.to({"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype])
             flat[k[len("model."):]] = t
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        save_file(flat, str(out), metadata={"format": "pt", "source": str(step_dir)})
-    else:
-        torch.save(flat, out)
+    # Written beside and renamed over: a failed export leaves an earlier one whole.
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        if out.suffix == ".safetensors":
+            save_file(flat, str(tmp), metadata={"format": "pt", "source": str(step_dir), "exported_by": EXPORTED_BY})
+        else:
+            torch.save(flat, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return flat
 
 
