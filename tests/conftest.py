@@ -12,6 +12,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPO = Path(__file__).resolve().parent.parent
+# Every process a test starts (ranks, workers, tools) leaves its Python stack in its output when a fatal
+# signal kills it; pytest's own faulthandler covers this process.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# The suite runs in two workers (pyproject's addopts) on a machine of a few cores: each worker's torch, and
+# every one-rank process it starts, gets its share of the cores instead of a thread per core that then
+# spins in contention with the other worker's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))))
 NODES = 2  # emulated nodes the Slurm tests need
 
 
@@ -19,14 +28,37 @@ NODES = 2  # emulated nodes the Slurm tests need
 SLOW_FIXTURES = {"example_corpus", "example_shards", "world_of_one", "probed", "measured", "pipelined"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks this adds
 def pytest_collection_modifyitems(config, items):
     """`pytest -m "not slow"` is the quick loop of pure tests (under 2 minutes on 2 cores): a test that
     starts processes or trains a model carries `slow`, and so does every Slurm or GPU test and every
     test that uses one of SLOW_FIXTURES."""
     for item in items:
-        if item.get_closest_marker("slurm") or item.get_closest_marker("gpu") \
+        if item.get_closest_marker("slurm") or item.get_closest_marker("gpu") or "slurm" in getattr(item, "fixturenames", ()) \
                 or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # Two workers (pyproject: -n 2 --dist loadgroup --no-loadscope-reorder). The Slurm tests mostly wait
+    # (on the scheduler, on a job's time limit, on a hang to be noticed), so they run one after another on
+    # one worker, from the start, while the other worker runs the rest; one Slurm is enough for them.
+    # Every other file is one unit, so its module fixtures launch their ranks once.
+    def on_slurm(item) -> bool:
+        return item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ())
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm(item) else item.path.name))
+    items.sort(key=lambda item: not on_slurm(item))
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_found():
+    """Each test leaves os.environ as it found it: the ranks later tests launch inherit it, and a leaked
+    HPCTRAIN_FAULT, TORCH_EXTENSIONS_DIR or OMP_NUM_THREADS changes what they do (code under test may set
+    variables in this process: the tokenizers' and MLflow's switches, the kernel caches)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def slurm_problem(nodes: int = NODES) -> str | None:

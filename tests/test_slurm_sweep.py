@@ -69,18 +69,20 @@ def test_multirun_is_one_job_array_and_the_report_lists_every_element(slurm, tmp
 
 
 @pytest.mark.slurm
-def test_chain_of_three_carries_a_run_past_a_short_time_limit(slurm, tmp_path):  # noqa: F811
+def test_chain_carries_a_run_past_a_short_time_limit_and_stops_early(slurm, tmp_path):  # noqa: F811
     # A 3-minute limit (the shortest our login-node check lets signal_lead_s=15 through: USR2 may come
     # a minute early), the USR2 between 105 and 165 s into a link; the slowed-down run needs ~185 s of
-    # steps: one job cannot finish it, two can, and the third link is never needed.
+    # steps on a quiet machine: one job cannot finish it, two can. A busy machine (the suite's other
+    # worker) slows the steps down, and then a third link may be needed: a chain of 4 always has one
+    # left over, which must be cancelled while it waits (queued links cost no time).
     steps = 340
     run_dir = tmp_path / "run"
     proc = run_cli(*BASE, "launcher=slurm", "cluster=local", f"train.steps={steps}", "checkpoint.every=10",
-                   "cluster.time=00:03:00", "cluster.signal_lead_s=15", "launcher.chain=3", "cluster.max_requeues=0",
+                   "cluster.time=00:03:00", "cluster.signal_lead_s=15", "launcher.chain=4", "cluster.max_requeues=0",
                    f"run.dir={run_dir}", "+cluster.env.HPCTRAIN_FAULT='slow_step:ms=500'", timeout=120)
-    assert "a chain of 3 jobs" in proc.stdout, proc.stdout + proc.stderr
+    assert "a chain of 4 jobs" in proc.stdout, proc.stdout + proc.stderr
     links = json.loads((run_dir / "chain.json").read_text())["jobs"]
-    assert len(links) == 3
+    assert len(links) == 4
     deadline = time.monotonic() + 900
     states = {}
     while time.monotonic() < deadline:
@@ -97,8 +99,11 @@ def test_chain_of_three_carries_a_run_past_a_short_time_limit(slurm, tmp_path): 
     assert states[links[0]] in ("TIMEOUT", "COMPLETED"), (states, log[-3000:])
     assert "SIGUSR2" in log and "resumed from checkpoint step" in log, log[-4000:]
     assert f"completed at step {steps}" in log, log[-4000:]
-    # Finished in the second link: the third was cancelled while it waited (the chain stopped early).
-    assert states[links[2]] == "CANCELLED", (states, log[-3000:])
+    # Finished in the second link (or the third, on a busy machine): the links after it were cancelled
+    # while they waited (the chain stopped early).
+    ran = [j for j in links if states[j] != "CANCELLED"]
+    assert 2 <= len(ran) <= 3 and ran == links[:len(ran)], (states, log[-3000:])
+    assert all(states[j] == "CANCELLED" for j in links[len(ran):]), (states, log[-3000:])
     assert "cancelled the rest of the chain" in log, log[-3000:]
     assert "requeueing job" not in log  # a link with a later one queued leaves the requeue to the chain
     assert losses(run_dir) == local_reference(tmp_path, steps)
