@@ -403,3 +403,17 @@ def test_the_sweep_report_refuses_a_directory_with_the_users_files(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out} holds files hpctrain.report did not write (sweep.tsv)") and FIX in err
     assert snapshot(out) == {"sweep.tsv": b"my table"}
+
+
+def test_the_example_corpus_refuses_a_directory_with_the_users_files(tmp_path, capsys):
+    """`python -m hpctrain.data.example OUT` wrote corpus.jsonl and tokenizer.json over whatever was in
+    OUT (mutant: build() writing in place). Refused before any work, the user's file kept."""
+    from hpctrain.data.example import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "corpus.jsonl").write_text('{"text": "mine"}\n')
+    assert main([str(out), "--mb", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "corpus.jsonl" in err and "Fix:" in err, err
+    assert (out / "corpus.jsonl").read_text() == '{"text": "mine"}\n' and os.listdir(out) == ["corpus.jsonl"]

@@ -19,6 +19,8 @@ from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hpctrain.core.outdir import OutputDirError, replacing
+
 EOS = "<|endoftext|>"
 KINDS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
@@ -64,16 +66,17 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    docs = list(stdlib_documents(int(megabytes * 1e6)))
-    with open(out / "corpus.jsonl", "w") as f:
-        for d in docs:
-            f.write(json.dumps(d) + "\n")
-    tok = train_tokenizer([d["text"] for d in docs], vocab_size)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
-        "model_max_length": 1 << 20}, indent=1))
+    """Writes into an absent or empty `out`, or over its own earlier output (hpctrain.core.outdir)."""
+    with replacing(out, "hpctrain.data.example") as tmp:
+        docs = list(stdlib_documents(int(megabytes * 1e6)))
+        with open(tmp / "corpus.jsonl", "w") as f:
+            for d in docs:
+                f.write(json.dumps(d) + "\n")
+        tok = train_tokenizer([d["text"] for d in docs], vocab_size)
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
+            "model_max_length": 1 << 20}, indent=1))
     return {"documents": len(docs), "bytes": sum(len(d["text"].encode()) for d in docs),
             "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
 
@@ -84,7 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--mb", type=float, default=2.0, help="megabytes of text (the standard library has ~1.7)")
     ap.add_argument("--vocab", type=int, default=2048, help="the tokenizer's vocabulary size")
     args = ap.parse_args(argv)
-    info = build(args.out, args.mb, args.vocab)
+    try:
+        info = build(args.out, args.mb, args.vocab)
+    except OutputDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{info['documents']} documents, {info['bytes'] / 1e6:.2f} MB -> {args.out / 'corpus.jsonl'}; "
           f"tokenizer with {info['vocab_size']} ids -> {args.out / 'tokenizer.json'}")
     print(f"next: python -m hpctrain.data.prepare {args.out / 'corpus.jsonl'} {args.out / 'shards'} "
