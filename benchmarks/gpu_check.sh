@@ -53,7 +53,8 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 step "pytest -m gpu"
-timeout 360 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py tests/test_profile.py 2>&1 | tee "$OUT/pytest.log"
+# -o addopts=: one process, not pyproject's two xdist workers (the image may lack pytest-xdist; one GPU)
+timeout 360 "$PY" -m pytest -q -o addopts= -m gpu -rs -p no:cacheprovider tests/test_gpu.py tests/test_profile.py 2>&1 | tee "$OUT/pytest.log"
 pytest_rc=${PIPESTATUS[0]}
 
 step "benchmarks/gpu_1b.py"
