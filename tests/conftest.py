@@ -15,12 +15,6 @@ REPO = Path(__file__).resolve().parent.parent
 # Every process a test starts (ranks, workers, tools) leaves its Python stack in its output when a fatal
 # signal kills it; pytest's own faulthandler covers this process.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-# The suite runs in two workers (pyproject's addopts) on a machine of a few cores: each worker's torch, and
-# every one-rank process it starts, gets its share of the cores instead of a thread per core that then
-# spins in contention with the other worker's.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                     // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))))
 NODES = 2  # emulated nodes the Slurm tests need
 
 
