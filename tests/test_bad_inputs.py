@@ -519,3 +519,19 @@ def test_a_damaged_tokenizer_config_is_no_eos_not_a_traceback(tmp_path, text):
     assert configured_eos(tmp_path / "tokenizer.json") is None
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": {"content": "</s>"}}')
     assert configured_eos(tmp_path / "tokenizer.json") == "</s>"
+
+
+def test_a_run_report_of_non_object_plan_and_outcome_and_a_val_record_without_ppl(tmp_path):
+    """plan.json and outcome.json that are not objects were a traceback in status()/plan_rows, and a
+    validation record without val_ppl a KeyError in render. Mutant: the old _json (returns a list) or
+    render reading m["val_ppl"]."""
+    import math
+
+    from hpctrain.report.run_report import load, render
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "loss": 2.0}\n'
+                                            '{"step": 1, "time": 1.5, "val_loss": 1.5}\n')
+    (tmp_path / "plan.json").write_text('["not", "an", "object"]')
+    (tmp_path / "outcome.json").write_text('"completed"')
+    page = render(load(tmp_path), {}, None)
+    assert f"{math.exp(1.5):,.2f}" in page and "Validation" in page

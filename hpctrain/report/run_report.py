@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +49,12 @@ class Run:
 
 
 def _json(path: Path) -> Optional[dict]:
+    """A JSON object file (plan.json, outcome.json); None when absent, unreadable or not an object."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def load(run_dir: str | Path) -> Run:
@@ -252,6 +255,11 @@ def _table(header: list[str], rows: list) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _ppl(m: dict) -> float:
+    """Perplexity, exp(loss), where a record (an older or hand-made one) leaves it out."""
+    return m["val_ppl"] if "val_ppl" in m else math.exp(min(m["val_loss"], 700.0))
+
+
 def render(run: Run, images: dict[str, str], goodput_text: Optional[str]) -> str:
     """The HTML page (pure): `images` maps file name -> title of the plots that were drawn."""
     parts = [f"<h1>hpctrain run: {html.escape(run.dir.name)}</h1>",
@@ -261,8 +269,8 @@ def render(run: Run, images: dict[str, str], goodput_text: Optional[str]) -> str
         last = run.val[-1]
         parts.append("<h2>Validation</h2>" + _table(
             ["", "step", "validation loss", "perplexity"],
-            [("last", last["step"], f"{last['val_loss']:.4f}", f"{last['val_ppl']:,.2f}"),
-             ("best", best["step"], f"{best['val_loss']:.4f}", f"{best['val_ppl']:,.2f}")]))
+            [("last", last["step"], f"{last['val_loss']:.4f}", f"{_ppl(last):,.2f}"),
+             ("best", best["step"], f"{best['val_loss']:.4f}", f"{_ppl(best):,.2f}")]))
     rows = plan_rows(run)
     if rows:
         parts.append("<h2>The plan beside the run</h2>" + _table(["", "plan", "measured"], rows))
