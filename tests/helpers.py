@@ -21,13 +21,13 @@ def run_cli(*overrides: str, timeout: float = 300, check: bool = True, env: dict
     return proc
 
 
-def skip_or_fail(why: str) -> None:
-    """Without the local Slurm a developer may skip the Slurm tests; CI (CI=true) starts Slurm first,
-    so there a missing Slurm is a failure, never a silent skip."""
+def skip_or_fail(why: str, what: str = "the Slurm tests") -> None:
+    """Without the local Slurm (or root) a developer may skip the tests that need it; CI (CI=true) runs
+    as root and starts Slurm first, so there a missing one is a failure, never a silent skip."""
     import pytest
 
     if os.environ.get("CI"):
-        pytest.fail(f"CI must run the Slurm tests: {why}")
+        pytest.fail(f"CI must run {what}: {why}")
     pytest.skip(why)
 
 

@@ -11,9 +11,12 @@ import time
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, skip_or_fail
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the scripts run as root")
+@pytest.fixture(autouse=True)
+def as_root():
+    if os.geteuid() != 0:
+        skip_or_fail("slurm/stop.sh and kill_node.sh run as root", "the Slurm script tests")
 
 
 @pytest.fixture
