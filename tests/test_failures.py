@@ -110,6 +110,13 @@ def test_srun_failures_stop_where_srun_tears_the_step_down():
             "slurmstepd: error: *** STEP 12.0 ON n1 CANCELLED AT 2026-12-01T10:00:00 ***\n"
             "srun: error: n1: tasks 0-1: Killed\n")
     assert srun_failures(text) == {3: "was killed by SIGKILL"}
+    # Slurm 22.05's own words (a rank raised; srun killed the rest): only the first line is a cause.
+    text = ("srun: error: n1: task 1: Exited with exit code 1\n"
+            "srun: launch/slurm: _step_signal: Terminating StepId=156.3\n"
+            "srun: error: n1: task 0: Exited with exit code 1\n"
+            "srun: error: n2: task 3: Terminated\n"
+            "srun: Force Terminated StepId=156.3\n")
+    assert srun_failures(text) == {1: "exit code 1"}
     assert srun_failures("srun: error: n1: tasks 0,2-3: Exited with exit code 75\n") == \
         {0: "exit code 75", 2: "exit code 75", 3: "exit code 75"}
     assert srun_failures("srun: error: n1: task 1: Segmentation fault\n") == {1: "signal: Segmentation fault"}

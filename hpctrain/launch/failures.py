@@ -148,8 +148,11 @@ def srun_failures(stderr: str) -> dict:
     """Rank -> how it ended, from srun's own lines, in the order srun printed them:
     `srun: error: n2: task 3: Killed`, `srun: error: n1: tasks 0-1: Exited with exit code 1`."""
     out: dict = {}
-    # What srun reports after it began tearing the step down is its own doing, not a cause.
-    stderr = re.split(r"srun: (?:Terminating|Job step aborted|Force Terminated)|\*\*\* STEP .* CANCELLED", stderr)[0]
+    # What srun reports after it began tearing the step down is its own doing, not a cause. Slurm
+    # 22.05 writes the first sign as `srun: launch/slurm: _step_signal: Terminating StepId=12.0`
+    # (older ones `srun: Terminating StepId=12.0`); tasks it then killed say `Terminated`.
+    stderr = re.split(r"srun: (?:[\w/]+: )*(?:Terminating|Job step aborted|Force Terminated)|\*\*\* STEP .* CANCELLED",
+                      stderr)[0]
     for m in re.finditer(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)", stderr):
         how = m.group(3).strip()
         code = re.match(r"Exited with exit code (\d+)", how)
