@@ -71,15 +71,15 @@ def test_multirun_is_one_job_array_and_the_report_lists_every_element(slurm, tmp
 @pytest.mark.slurm
 def test_chain_carries_a_run_past_a_short_time_limit_and_stops_early(slurm, tmp_path):  # noqa: F811
     # A 3-minute limit (the shortest our login-node check lets signal_lead_s=15 through: USR2 may come
-    # a minute early), the USR2 between 105 and 165 s into a link. The first link sleeps 2 s per step
-    # (`attempt=0`: the first start only), so 120 steps need 240 s there: it cannot finish, whatever the
-    # machine's load. The second link (attempt 1) runs at full speed and finishes in seconds; the third
-    # must be cancelled while it waits (queued links cost no time). Exactly two links run.
-    steps = 120
+    # a minute early), the USR2 between 105 and 165 s into a link. The first link sleeps 3 s per step
+    # (`attempt=0`: the first start only), so it gets at most 55 of the 60 steps done before its USR2,
+    # whatever the machine's load. The second link (attempt 1) runs at full speed and finishes in
+    # seconds; the third must be cancelled while it waits (queued links cost no time). Exactly two run.
+    steps = 60
     run_dir = tmp_path / "run"
     proc = run_cli(*BASE, "launcher=slurm", "cluster=local", f"train.steps={steps}", "checkpoint.every=10",
                    "cluster.time=00:03:00", "cluster.signal_lead_s=15", "launcher.chain=3", "cluster.max_requeues=0",
-                   f"run.dir={run_dir}", "+cluster.env.HPCTRAIN_FAULT='slow_step:ms=2000,attempt=0'", timeout=120)
+                   f"run.dir={run_dir}", "+cluster.env.HPCTRAIN_FAULT='slow_step:ms=3000,attempt=0'", timeout=120)
     assert "a chain of 3 jobs" in proc.stdout, proc.stdout + proc.stderr
     links = json.loads((run_dir / "chain.json").read_text())["jobs"]
     assert len(links) == 3
