@@ -272,21 +272,21 @@ def test_report_on_recorded_sweep(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hpctrain.report.nccl_report", str(d)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    md = (d / "report.md").read_text()
+    md = (d / "report" / "report.md").read_text()
     assert "| op | range | sizes | best setting | busbw | baseline busbw | gain | runner-up |" in md
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
         assert f"| {op} | large | >= 16MiB (1) |" in md
-        png = d / "plots" / f"busbw_{op}.png"
+        png = d / "report" / "plots" / f"busbw_{op}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # NCCL_* does nothing on gloo: that setting is the baseline run again and may not win.
     assert "nccl_recorded (= baseline)" in md and "so it measures the noise" in md
-    res = json.loads((d / "report.json").read_text())
+    res = json.loads((d / "report" / "report.json").read_text())
     # In this recording no real setting beats the baseline on large messages: keep the defaults.
     assert res["winner"] == "default" and res["winner_nodes"] == 2
     v = res["node_counts"]["2"]
     assert v["replicas"] == ["nccl_recorded"] and v["noise"] == pytest.approx(0.071, abs=0.001)
-    assert yaml.safe_load((d / "cluster_snippet.yaml").read_text()) == {"env": {}}
-    text = (d / "cluster_snippet.yaml").read_text()
+    assert yaml.safe_load((d / "report" / "cluster_snippet.yaml").read_text()) == {"env": {}}
+    text = (d / "report" / "cluster_snippet.yaml").read_text()
     assert "conf/cluster/<name>.yaml" in text and "The winner sets no variables" in text
     # The table's numbers are the recorded ones: all_reduce at 16 MiB, baseline.
     rec = [json.loads(x) for x in (d / "default" / "results.jsonl").read_text().splitlines()]
@@ -341,9 +341,9 @@ def test_report_chooses_the_large_message_winner(tmp_path):
     assert best[("all_gather", "large")]["gain"] == pytest.approx(0.2)
     assert ("broken", 2, ) == data.failed[0][:2]
     assert R.main([str(tmp_path / "s")]) == 0
-    snip = yaml.safe_load((tmp_path / "s" / "cluster_snippet.yaml").read_text())
+    snip = yaml.safe_load((tmp_path / "s" / "report" / "cluster_snippet.yaml").read_text())
     assert snip == {"env": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}}
-    md = (tmp_path / "s" / "report.md").read_text()
+    md = (tmp_path / "s" / "report" / "report.md").read_text()
     assert "## Failed settings" in md and "- broken on 2 node(s): no results (exit 1)" in md
     assert "ring_simple beats the baseline 'default' by +20.0%" in md
 
@@ -356,7 +356,35 @@ def test_report_keeps_the_baseline_when_gains_are_noise(tmp_path):
     res = R.analyse(R.load(tmp_path / "s"))
     assert res["winner"] == "default" and "below the 3.0% a winner needs" in res["why"]
     R.main([str(tmp_path / "s"), "--no-plots"])
-    assert yaml.safe_load((tmp_path / "s" / "cluster_snippet.yaml").read_text()) == {"env": {}}
+    assert yaml.safe_load((tmp_path / "s" / "report" / "cluster_snippet.yaml").read_text()) == {"env": {}}
+
+
+def test_report_writes_only_its_own_directory(tmp_path, capsys):
+    """The report goes into <sweep>/report/, replaced whole by a rerun; a report/ holding someone
+    else's files is refused with the fix, and nothing of theirs is touched (mutant: writing into the
+    sweep directory, or into a foreign report/)."""
+    settings = {"default": {}, "a": {"NCCL_PROTO": "Simple"}}
+    _write_synthetic(tmp_path / "s", settings, {"default": lambda op, b: 10.0, "a": lambda op, b: 12.0})
+    mine = tmp_path / "s" / "report.md"
+    mine.write_text("my notes\n")  # a file of the user's beside the settings
+    assert R.main([str(tmp_path / "s"), "--no-plots"]) == 0
+    assert mine.read_text() == "my notes\n"
+    first = (tmp_path / "s" / "report" / "report.md").read_text()
+    assert "**a**" in first and f"Snippet: `{tmp_path / 's' / 'report' / 'cluster_snippet.yaml'}`" in first
+    assert R.main([str(tmp_path / "s"), "--no-plots"]) == 0  # its own earlier report: replaced
+    assert (tmp_path / "s" / "report" / "report.md").read_text() == first
+    assert "report" not in {name for name, _, _ in R.load(tmp_path / "s").failed}  # not taken for a setting
+
+    foreign = tmp_path / "t"
+    _write_synthetic(foreign, settings, {"default": lambda op, b: 10.0, "a": lambda op, b: 12.0})
+    (foreign / "report").mkdir()
+    (foreign / "report" / "draft.md").write_text("theirs\n")
+    capsys.readouterr()
+    assert R.main([str(foreign), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "hpctrain.report.nccl_report:" in err and str(foreign / "report") in err and "draft.md" in err
+    assert sorted(p.name for p in (foreign / "report").iterdir()) == ["draft.md"]
+    assert not any(p.name.startswith(".") for p in foreign.iterdir())  # no partial report left behind
 
 
 def test_split_ranges_falls_back_to_the_largest_sizes():

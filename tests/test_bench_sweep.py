@@ -66,15 +66,15 @@ def test_local_gloo_sweep_as_one_array(slurm, tmp_path):
     assert nccl["NCCL_ALGO"] == "Ring" and nccl["NCCL_PROTO"] == "Simple"
 
     # The report: table, plots, snippet.
-    md = (out / "report.md").read_text()
+    md = (out / "report" / "report.md").read_text()
     assert "### Best setting per operation and size range" in md and "## Verdict" in md
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
         assert f"| {op} | large |" in md
-        assert (out / "plots" / f"busbw_{op}.png").read_bytes()[:4] == b"\x89PNG"
+        assert (out / "report" / "plots" / f"busbw_{op}.png").read_bytes()[:4] == b"\x89PNG"
     assert "nccl_recorded (= baseline)" in md  # NCCL_* on gloo: the baseline again, never the winner
-    res = json.loads((out / "report.json").read_text())
+    res = json.loads((out / "report" / "report.json").read_text())
     assert res["winner"] in ("default", "threads2", "two_devices")
-    snippet = yaml.safe_load((out / "cluster_snippet.yaml").read_text())
+    snippet = yaml.safe_load((out / "report" / "cluster_snippet.yaml").read_text())
     assert snippet["env"] == {k: str(v) for k, v in mf["settings"][res["winner"]].items()}
     # Each element recorded the setting it ran with (speed is the benchmark's business, not a test's).
     for s in settings:

@@ -3,7 +3,9 @@
     python -m hpctrain.report.nccl_report <sweep dir> [--large-from 16M] [--small-below 64K] [--min-gain 0.03]
 
 Reads `<sweep dir>/<setting>/results.jsonl` (written by hpctrain.bench.collectives) and
-`<sweep dir>/sweep.json` (written at submission: baseline, settings, elements), and writes:
+`<sweep dir>/sweep.json` (written at submission: baseline, settings, elements), and writes into
+`<sweep dir>/report/` (only if that directory is absent, empty or an earlier report of this tool's;
+it is replaced whole once the new report is complete, hpctrain.core.outdir):
 
 - `report.md`: per node count, the best setting for each operation and size range (small, medium,
   large) with its gain over the baseline, every setting's large-message gains, failed settings, and
@@ -34,6 +36,10 @@ from typing import Iterable, Mapping, Sequence
 import yaml
 
 from hpctrain.bench.collectives import OPS, format_size, parse_size
+from hpctrain.core import outdir
+
+TOOL = "hpctrain.report.nccl_report"  # the name in the marker of its output directory
+REPORT = "report"  # <sweep dir>/report/
 
 TRAINING_OPS = ("all_reduce", "reduce_scatter", "all_gather")
 RANGES = ("small", "medium", "large")
@@ -78,7 +84,10 @@ def load(root: str | Path) -> SweepData:
         mf = json.loads((root / "sweep.json").read_text())
     settings = dict(mf.get("settings") or {})
     data = SweepData(root, mf, mf.get("baseline") or "default", settings)
-    dirs = sorted(p for p in root.iterdir() if p.is_dir() and p.name not in ("slurm", "plots"))
+    # Not settings: Slurm's logs, our report (and a report being built, .report.partial-*), the plots
+    # directory of reports written before they had a directory of their own.
+    dirs = sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name not in ("slurm", "plots", REPORT) and not p.name.startswith("."))
     expected = {e["dir"]: (e["setting"], e["nodes"]) for e in mf.get("elements", [])}
     seen = set()
     for d in dirs:
@@ -287,7 +296,10 @@ def _bw(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
-def markdown(data: SweepData, res: dict) -> str:
+def markdown(data: SweepData, res: dict, out: Path | None = None, plots: Sequence[str] = ()) -> str:
+    """The report's text; `out`: the directory it will be in (for the snippet's path), `plots`: the
+    names of the PNGs beside it in plots/."""
+    out = data.root / REPORT if out is None else out
     mf = data.manifest
     lines = [f"# Collective sweep {mf.get('name', data.root.name)!r}", ""]
     if mf.get("description"):
@@ -338,10 +350,9 @@ def markdown(data: SweepData, res: dict) -> str:
                      f"count swept: **{res['winner']}** ({res['why']}).")
         lines.append("")
         lines.append("Variables: " + (", ".join(f"`{k}={v}`" for k, v in env.items()) or "none (the defaults)")
-                     + f". Snippet: `{data.root / 'cluster_snippet.yaml'}`.")
-    plots = sorted((data.root / "plots").glob("*.png")) if (data.root / "plots").is_dir() else []
+                     + f". Snippet: `{out / 'cluster_snippet.yaml'}`.")
     if plots:
-        lines += ["", "Plots: " + ", ".join(f"`plots/{p.name}`" for p in plots)]
+        lines += ["", "Plots: " + ", ".join(f"`plots/{name}`" for name in sorted(plots))]
     return "\n".join(lines) + "\n"
 
 
@@ -442,22 +453,29 @@ def main(argv: Sequence[str] | None = None) -> int:
               + ("".join(f"\n  {s} on {n} node(s): {why}" for s, n, why in data.failed)), file=sys.stderr)
         return 1
     res = analyse(data, parse_size(a.small_below), parse_size(a.large_from), a.min_gain)
-    plots = []
-    if not a.no_plots:
-        try:
-            plots = plot(data, res, root / "plots")
-        except ImportError:
-            print("hpctrain.report.nccl_report: matplotlib is not installed: no plots (pip install matplotlib, or "
-                  "pip install 'hpctrain[dev]')", file=sys.stderr)
-    md = markdown(data, res)
-    (root / "report.md").write_text(md)
-    (root / "cluster_snippet.yaml").write_text(snippet(data, res))
-    summary = {**{k: v for k, v in res.items() if k != "node_counts"},
-               "node_counts": {str(n): nv for n, nv in res["node_counts"].items()},
-               "plots": [str(p) for p in plots], "snippet": str(root / "cluster_snippet.yaml")}
-    (root / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    out = root / REPORT
+    try:
+        with outdir.replacing(out, TOOL) as tmp:
+            plots = []
+            if not a.no_plots:
+                try:
+                    plots = plot(data, res, tmp / "plots")
+                except ImportError:
+                    print("hpctrain.report.nccl_report: matplotlib is not installed: no plots (pip install "
+                          "matplotlib, or pip install 'hpctrain[dev]')", file=sys.stderr)
+            md = markdown(data, res, out, [p.name for p in plots])
+            (tmp / "report.md").write_text(md)
+            (tmp / "cluster_snippet.yaml").write_text(snippet(data, res))
+            summary = {**{k: v for k, v in res.items() if k != "node_counts"},
+                       "node_counts": {str(n): nv for n, nv in res["node_counts"].items()},
+                       "plots": [str(out / "plots" / p.name) for p in plots],
+                       "snippet": str(out / "cluster_snippet.yaml")}
+            (tmp / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    except outdir.OutputDirError as e:
+        print(f"hpctrain.report.nccl_report: {e}", file=sys.stderr)
+        return 2
     print(md)
-    print(f"snippet ({root / 'cluster_snippet.yaml'}):\n" + (root / "cluster_snippet.yaml").read_text())
+    print(f"snippet ({out / 'cluster_snippet.yaml'}):\n" + (out / "cluster_snippet.yaml").read_text())
     return 0
 
 
