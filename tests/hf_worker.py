@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpctrain.core.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts
+from rank_worker import compose_once, over_layouts, run_rank_of_layouts
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2"]
 
@@ -24,8 +24,8 @@ def first_loss() -> None:
 
     def one(spec: str, d: str, de) -> list[float]:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-        cfg = compose([*COMMON, "model=hf", f"model.init_from={path}", f"launcher.nproc={de.world}",
-                       f"run.dir={run}", *spec.split()])
+        cfg = compose_once([*COMMON, "model=hf", f"model.init_from={path}", f"launcher.nproc={de.world}",
+                            *spec.split()], run)
         t = Trainer(cfg, run, torch.device("cpu"))
         t.resume(print)  # no checkpoint here: the weights come from model.init_from
         return [t.train_step()[0].item() for _ in range(2)]

@@ -14,10 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpctrain.core.compose import compose
 from hpctrain.train.loop import Trainer
 
-from rank_worker import over_layouts, run_rank_of_layouts, train_steps
+from rank_worker import compose_once, over_layouts, run_rank_of_layouts, train_steps
 
 COMMON = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
           "checkpoint.every=0"]
@@ -28,8 +27,7 @@ def main() -> None:
 
     def one(spec: str, d: str, de) -> dict:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-        cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", f"run.dir={run}",
-                       *spec.split()])
+        cfg = compose_once([*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", *spec.split()], run)
         t = Trainer(cfg, run, torch.device("cpu"))
         held = sorted(int(i) for part in t.parts for i in getattr(part, "module", part).layers.keys())
         blocks = [None] * de.world

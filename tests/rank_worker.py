@@ -32,6 +32,21 @@ def over_layouts(out: str, layouts: list[str], one: Callable[[str, str, Any], An
     dist.destroy_process_group()
 
 
+def compose_once(overrides: list[str], run: str):
+    """The config of `overrides` with run.dir=`run`: composed by rank 0 and sent to the others (Hydra
+    takes ~0.5 s of CPU a call, and every layout of every rank would pay it)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from hpctrain.core.compose import compose
+
+    box = [compose([*overrides, f"run.dir={run}"]) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    cfg = box[0]
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=os.path.abspath(run)))
+
+
 def probe_trainers(common: list[str], probe: Callable[[Any], Any]) -> None:
     """A probe worker's main (OUT.json and layouts on the command line): for every layout each rank builds
     a Trainer of `common` + the layout, calls `probe(trainer)`, and rank 0 writes {layout: [the result
@@ -39,12 +54,11 @@ def probe_trainers(common: list[str], probe: Callable[[Any], Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.core.compose import compose
     from hpctrain.train.loop import Trainer
 
     def one(spec: str, d: str, de) -> list:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
-        cfg = compose([*common, f"launcher.nproc={de.world}", f"run.dir={run}", *spec.split()])
+        cfg = compose_once([*common, f"launcher.nproc={de.world}", *spec.split()], run)
         mine = probe(Trainer(cfg, run, torch.device("cpu")))
         gathered = [None] * de.world
         dist.all_gather_object(gathered, mine)
