@@ -1,5 +1,6 @@
 """Checkpoints end to end through the CLI on 2 (and 4) CPU ranks: exact resume after a USR2,
-resharded resume, a rank killed mid-save, async saves, export."""
+resharded resume, a rank killed mid-save, async saves, export. The uninterrupted runs every resume is
+compared with are themselves compared with the single-process reference (tests/reference.py)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
 
 from helpers import REPO, run_cli
+from reference import reference_losses
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
@@ -62,7 +64,22 @@ def uninterrupted(tmp_path_factory):
         run_cli(*COMMON, f"parallel={parallel}", f"run.dir={d}")
         out[parallel] = losses(d)
         assert len(out[parallel]) == STEPS
+        out[f"{parallel}-rows"] = read_metrics(d)
     return out
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_uninterrupted_cli_runs_match_single_process(uninterrupted, parallel):
+    """FSDP2 and DDP at dp 2 through the real CLI (launcher, rank entry, data, metrics.jsonl) against
+    transformers' Llama trained in one process on the whole batch."""
+    rows = uninterrupted[f"{parallel}-rows"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    ref_loss, ref_norm = reference_losses(compose(COMMON), STEPS)
+    for r, loss, norm in zip(rows, ref_loss, ref_norm):
+        assert abs(r["loss"] - loss) <= RESHARD_TOL * max(1.0, abs(loss)), (r["step"], r["loss"], loss)
+        assert abs(r["grad_norm"] - norm) <= 1e-4 * max(1.0, norm), (r["step"], r["grad_norm"], norm)
+    for key in ("step", "loss", "lr", "tokens_per_s", "mfu", "mem_bytes"):
+        assert key in rows[-1]
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
@@ -125,16 +142,23 @@ def test_kill9_mid_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     assert not any(n.startswith(".tmp") for n in names)  # swept by the next successful save
 
 
-def test_async_saves_complete_and_do_not_change_the_run(tmp_path, uninterrupted):
-    run_cli(*COMMON, "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.async_save=true", f"run.dir={tmp_path}")
-    assert losses(tmp_path) == uninterrupted["fsdp"]
-    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    """A run saving every 2 steps in the background, keeping 2: also the checkpoint the export and the
+    refusal below work on."""
+    d = tmp_path_factory.mktemp("async")
+    run_cli(*COMMON, "checkpoint.every=2", "checkpoint.keep=2", "checkpoint.async_save=true", f"run.dir={d}")
+    return d
+
+
+def test_async_saves_complete_and_do_not_change_the_run(async_run, uninterrupted):
+    assert losses(async_run) == uninterrupted["fsdp"]
+    names = sorted(p.name for p in (async_run / "checkpoints").iterdir())
     assert names == ["step-00000010", "step-00000012"]  # the last save waited for, older ones pruned
 
 
-def test_export_consolidates_weights(tmp_path):
-    run_cli(*COMMON, "train.steps=2", "checkpoint.every=2", f"run.dir={tmp_path}")
-    step_dir = tmp_path / "checkpoints" / "step-00000002"
+def test_export_consolidates_weights(tmp_path, async_run):
+    step_dir = async_run / "checkpoints" / "step-00000012"
     out = tmp_path / "model.safetensors"
     run_cli("export", str(step_dir), str(out), module="hpctrain.checkpoint")
     from safetensors.torch import load_file
@@ -148,13 +172,14 @@ def test_export_consolidates_weights(tmp_path):
     x = torch.randint(0, cfg.model.vocab_size, (1, 16))
     assert torch.isfinite(model(x)).all()
 
-    bad = run_cli("export", str(tmp_path / "checkpoints"), str(out), module="hpctrain.checkpoint", check=False)
+    bad = run_cli("export", str(async_run / "checkpoints"), str(out), module="hpctrain.checkpoint", check=False)
     assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
 
 
-def test_resume_false_refuses_to_overwrite(tmp_path):
-    run_cli(*COMMON, "train.steps=2", "checkpoint.every=2", f"run.dir={tmp_path}")
-    proc = run_cli(*COMMON, "checkpoint.resume=false", f"run.dir={tmp_path}", check=False)
+def test_resume_false_refuses_to_overwrite(async_run):
+    before = sorted(p.name for p in (async_run / "checkpoints").iterdir())
+    proc = run_cli(*COMMON, "checkpoint.resume=false", f"run.dir={async_run}", check=False)
     assert proc.returncode == 2
     assert "refusing to overwrite" in proc.stderr and "checkpoint.resume=false" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (async_run / "checkpoints").iterdir()) == before

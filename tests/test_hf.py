@@ -81,10 +81,17 @@ def test_logits_equal_transformers(tmp_path, name):
             assert ((plain(tokens) - b).abs().max() / b.abs().max()).item() > 1e-3
 
 
-@pytest.mark.slow
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 3-step run of the tiny model with its step-3 checkpoint, shared by the export tests."""
+    run = tmp_path_factory.mktemp("trained") / "run"
     run_cli("+experiment=tiny", "train.steps=3", "checkpoint.every=3", f"run.dir={run}")
+    return run
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, trained):
+    run = trained
     out = tmp_path / "hf"
     proc = run_cli("export", str(run / "checkpoints" / "step-00000003"), str(out), "--format", "hf",
                    module="hpctrain.checkpoint")
@@ -109,12 +116,10 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_in_bf16_shards(tmp_path):
-    run = tmp_path / "run"
-    run_cli("+experiment=tiny", "train.steps=1", "checkpoint.every=1", f"run.dir={run}")
+def test_export_in_bf16_shards(tmp_path, trained):
     from hpctrain.checkpoint.hf_weights import export_hf
 
-    index = export_hf(run / "checkpoints" / "step-00000001", tmp_path / "hf", "bf16", shard_bytes=200_000)
+    index = export_hf(trained / "checkpoints" / "step-00000003", tmp_path / "hf", "bf16", shard_bytes=200_000)
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
     have = hf.tensors(tmp_path / "hf")

@@ -25,19 +25,8 @@ def reference():
     return reference_losses(compose(COMMON), STEPS)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_dp2_matches_single_process(tmp_path, reference, parallel):
-    run_cli(*COMMON, f"parallel={parallel}", "launcher.nproc=2", f"run.dir={tmp_path}")
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    ref_loss, ref_norm = reference
-    for r, loss, norm in zip(rows, ref_loss, ref_norm):
-        assert abs(r["loss"] - loss) <= TOL * max(1.0, abs(loss)), (r["step"], r["loss"], loss)
-        assert abs(r["grad_norm"] - norm) <= 1e-4 * max(1.0, norm), (r["step"], r["grad_norm"], norm)
-    for key in ("step", "loss", "lr", "tokens_per_s", "mfu", "mem_bytes"):
-        assert key in rows[-1]
-    assert (tmp_path / "config.yaml").is_file()
+# FSDP2 and DDP at dp 2 through the CLI against the reference: test_checkpoint_resume.py (its
+# uninterrupted runs); every layout in-process: test_layouts.py.
 
 
 @pytest.mark.slow
@@ -75,13 +64,12 @@ def test_token_shards_train_with_tensorboard(tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.slow
-def test_3d_layout_on_8_local_ranks_from_the_cli(tmp_path, reference):
-    """pp 2 x dp_shard 2 x tp 2 on 8 local CPU processes, as a user types it (the planner once refused it
-    for host memory, pricing every CPU rank like a GPU rank), matching the single-process reference."""
-    run_cli(*COMMON, "launcher.nproc=8", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2",
-            f"run.dir={tmp_path}", timeout=600)
-    rows = read_metrics(tmp_path)
-    ref_loss, ref_norm = reference
-    assert [r["loss"] for r in rows] == pytest.approx(ref_loss, rel=TOL, abs=TOL)
-    assert [r["grad_norm"] for r in rows] == pytest.approx(ref_norm, rel=1e-4)
+def test_3d_layout_on_8_local_ranks_is_accepted_from_the_cli():
+    """pp 2 x dp_shard 2 x tp 2 on 8 local CPU processes, as a user types it: the planner once refused
+    it for host memory, pricing every CPU rank like a GPU rank. Its numbers against the reference, on 8
+    ranks of the same local launcher: test_layouts.py (world 8)."""
+    proc = run_cli(*COMMON, "launcher.nproc=8", "parallel.dp_shard=2", "parallel.tp=2", "parallel.pp=2",
+                   "dry_run=true", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "pp 2 x dp_replicate 1 x dp_shard 2 x tp 2 = 8 ranks" in proc.stdout, proc.stdout
+    assert "host per node" in proc.stdout and "Traceback" not in proc.stderr
