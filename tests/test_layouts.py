@@ -16,7 +16,7 @@ from reference import reference_run
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
-STEPS = 4
+STEPS = 3  # two optimizer updates between the three losses compared: the moments are in play
 # fp32: layouts add the same numbers in other orders (shards, micro-batches, pipeline stages).
 LOSS_TOL = 2e-5
 NORM_TOL = 1e-4

@@ -140,7 +140,8 @@ def test_later_links():
 @pytest.mark.slow
 def test_local_sweep_runs_every_element_and_the_report_compares_them(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "+experiment=tiny", "train.steps=4", "eval.every=2", "eval.batches=1",
+    # One rank per element: the sweep, not data parallelism, is under test here.
+    proc = run_cli("-m", "+experiment=tiny", "launcher.nproc=1", "train.steps=4", "eval.every=2", "eval.batches=1",
                    "optim.lr=1e-3,1e-2", f"run.dir={sweep}", timeout=300)
     assert "sweep done: 2 of 2 completed" in proc.stdout, proc.stdout + proc.stderr
     record = json.loads((sweep / "sweep.json").read_text())
@@ -156,6 +157,6 @@ def test_local_sweep_runs_every_element_and_the_report_compares_them(tmp_path):
     # The larger learning rate learns faster over 4 steps: it is listed first (best validation loss).
     assert rows[1].startswith("optim.lr=0.01\t"), rows
     # Once done, a second run of the same sweep resumes every element: nothing is trained again.
-    again = run_cli("-m", "+experiment=tiny", "train.steps=4", "eval.every=2", "eval.batches=1",
+    again = run_cli("-m", "+experiment=tiny", "launcher.nproc=1", "train.steps=4", "eval.every=2", "eval.batches=1",
                     "optim.lr=1e-3,1e-2", f"run.dir={sweep}", timeout=300)
     assert again.stderr.count("already completed at step 4: nothing to do") == 2, again.stderr

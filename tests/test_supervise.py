@@ -14,7 +14,7 @@ from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
-COMMON = ("+experiment=tiny", "train.steps=12", "checkpoint.every=4", "optim.warmup_steps=2")
+COMMON = ("+experiment=tiny", "train.steps=8", "checkpoint.every=4", "optim.warmup_steps=2")
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -32,7 +32,7 @@ def test_crashed_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
     """Rank 1 segfaults after step 6: it leaves its stack in its log (mutant: no faulthandler in the rank
     entry), the launcher says whom it stopped, and the restarted run matches the uninterrupted one."""
     proc = run_cli(*COMMON, f"run.dir={tmp_path}", env={"HPCTRAIN_FAULT": "crash:step=6,rank=1,signal=SEGV"})
-    assert "crashed: rank 1 was killed by SIGSEGV" in proc.stderr and "completed at step 12" in proc.stderr
+    assert "crashed: rank 1 was killed by SIGSEGV" in proc.stderr and "completed at step 8" in proc.stderr
     log = (tmp_path / "logs" / "rank-1.log").read_text()
     assert "Fatal Python error: Segmentation fault" in log and "after_step" in log and "loop.py" in log, log[-3000:]
     assert losses(tmp_path) == uninterrupted  # resumed from step 4, the same numbers to the last bit
@@ -46,7 +46,7 @@ def test_crashed_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
 def test_hung_rank_is_named_with_every_stack_and_restarted(tmp_path, uninterrupted):
     proc = run_cli(*COMMON, f"run.dir={tmp_path}", "launcher.hang_timeout_s=3",
                    env={"HPCTRAIN_FAULT": "hang:step=6,rank=1"})
-    assert "completed at step 12" in proc.stderr, proc.stderr[-3000:]
+    assert "completed at step 8" in proc.stderr, proc.stderr[-3000:]
     assert losses(tmp_path) == uninterrupted
     (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
     assert (rec["cause"], rec["ranks"]) == ("hung", [1]), rec

@@ -319,7 +319,7 @@ def test_a_tracker_that_cannot_start_does_not_stop_training(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where MLflow wants a directory")
     d = tmp_path / "run"
-    proc = run_cli("+experiment=tiny", "train.steps=2", "logger=[mlflow,tensorboard]",
+    proc = run_cli("+experiment=tiny", "launcher.nproc=1", "train.steps=2", "logger=[mlflow,tensorboard]",
                    f"logger.mlflow.tracking_uri={(blocker / 'mlruns').as_uri()}", f"run.dir={d}")
     assert "completed at step 2" in proc.stderr
     out = proc.stdout + proc.stderr
