@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,20 +83,41 @@ def test_uninterrupted_cli_runs_match_single_process(uninterrupted, parallel):
         assert key in rows[-1]
 
 
+def stop_point(parallel: str) -> int:
+    return random.Random(parallel).randint(3, 8)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """Runs stopped by a USR2 to a random rank, by layout; each test resumes its own copy (a run directory
+    holds its path only in config.yaml, which the resume writes anew). FSDP2 dp 2 is the first half of
+    three tests."""
+    made = {}
+
+    def of(parallel: str, dst: Path) -> subprocess.CompletedProcess:
+        if parallel not in made:
+            d = tmp_path_factory.mktemp(f"stopped-{parallel}") / "run"
+            made[parallel] = (d, interrupt_at(d, stop_point(parallel), *COMMON, f"parallel={parallel}"))
+        src, proc = made[parallel]
+        shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        return proc
+
+    return of
+
+
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_usr2_then_resume_is_bit_identical(tmp_path, uninterrupted, parallel):
-    stop_at = random.Random(parallel).randint(3, 8)
-    first = interrupt_at(tmp_path, stop_at, *COMMON, f"parallel={parallel}")
+def test_usr2_then_resume_is_bit_identical(tmp_path, uninterrupted, stopped, parallel):
+    first = stopped(parallel, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "run the same command again to resume" in first.stderr
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert len(saved) == 1 and saved[0].startswith("step-")
-    stopped = int(saved[0].split("-")[1])
-    assert stop_at <= stopped < STEPS
-    assert len(losses(tmp_path)) == stopped
+    stopped_at = int(saved[0].split("-")[1])
+    assert stop_point(parallel) <= stopped_at < STEPS
+    assert len(losses(tmp_path)) == stopped_at
 
     second = run_cli(*COMMON, f"parallel={parallel}", f"run.dir={tmp_path}")
-    assert f"resumed from checkpoint step {stopped}" in second.stdout
+    assert f"resumed from checkpoint step {stopped_at}" in second.stdout
     assert losses(tmp_path) == uninterrupted[parallel]  # bit-identical, every step
 
 
@@ -112,8 +134,11 @@ def stopped_step(run_dir: Path) -> int:
     # FSDP2 dp2 -> ZeRO-1 x PP 2, dp 2 (each owner loads its share of the moments)
     (("parallel=fsdp", "launcher.nproc=2"), ("parallel=ddp", "parallel.zero=1", "parallel.pp=2", "launcher.nproc=4")),
 ])
-def test_resharded_resume_continues_the_same_run(tmp_path, uninterrupted, first, then):
-    proc = interrupt_at(tmp_path, 4, *COMMON, *first)
+def test_resharded_resume_continues_the_same_run(tmp_path, uninterrupted, stopped, first, then):
+    if first == ("parallel=fsdp", "launcher.nproc=2"):  # the default layout: the usr2 test's stopped run
+        proc = stopped("fsdp", tmp_path)
+    else:
+        proc = interrupt_at(tmp_path, 4, *COMMON, *first)
     assert proc.returncode == 0, proc.stderr[-3000:]
     k = stopped_step(tmp_path)
     resumed = run_cli(*COMMON, *then, f"run.dir={tmp_path}")
