@@ -3,6 +3,7 @@ resharded resume, a rank killed mid-save, async saves, export. The uninterrupted
 compared with are themselves compared with the single-process reference (tests/reference.py)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -34,8 +35,11 @@ def losses(run_dir) -> list[float]:
 
 
 def rank_pids(run_dir: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"hpctrain.run {run_dir}"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """The ranks' own word (attempts/0/ranks.json): a forked rank's command line is its fork server's."""
+    try:
+        return [int(p) for p in json.loads((run_dir / "attempts" / "0" / "ranks.json").read_text())["pids"].values()]
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def interrupt_at(run_dir: Path, step: int, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:

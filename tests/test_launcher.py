@@ -1,6 +1,9 @@
-"""The local launcher: start N ranks, report the first failure, stop the others promptly."""
+"""The local launcher: start N ranks, report the first failure, stop the others promptly. Each
+behaviour is checked for both ways a rank starts: a process of its own (`python -c`), and a fork of
+hpctrain.launch.forkserver (`python script.py`; preloading a light module here, not torch)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,11 +32,22 @@ def assert_others_stopped(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("outlived-*")), "the launcher let a rank run to the end"
 
 
-def ranks(script: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(script)]
+@pytest.fixture(params=["process", "fork"])
+def ranks(request, tmp_path, monkeypatch):
+    """The command that runs `script` as every rank: `python -c` (a process of its own each), or a
+    script file, which the launcher starts through its fork server."""
+    monkeypatch.setenv("HPCTRAIN_FORK_PRELOAD", "decimal")
+
+    def cmd(script: str) -> list[str]:
+        if request.param == "process":
+            return [sys.executable, "-c", textwrap.dedent(script)]
+        path = tmp_path / "rank_script.py"
+        path.write_text(textwrap.dedent(script))
+        return [sys.executable, str(path)]
+    return cmd
 
 
-def test_all_ranks_succeed(tmp_path, capfd):
+def test_all_ranks_succeed(tmp_path, capfd, ranks):
     rc = launch(tmp_path, 3, cmd=ranks("""
         import os
         print(f"hello from rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}")
@@ -47,7 +61,7 @@ def test_all_ranks_succeed(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
+def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd, ranks):
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, time
         if os.environ["RANK"] == "1":
@@ -63,7 +77,7 @@ def test_rank_exception_is_reported_and_others_stopped(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_exit_code_is_passed_on(tmp_path, capfd):
+def test_exit_code_is_passed_on(tmp_path, capfd, ranks):
     rc = launch(tmp_path, 2, cmd=ranks(f"""
         import os, sys, time
         if os.environ["RANK"] == "0":
@@ -77,7 +91,7 @@ def test_exit_code_is_passed_on(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_rank_killed_by_signal(tmp_path, capfd):
+def test_rank_killed_by_signal(tmp_path, capfd, ranks):
     rc = launch(tmp_path, 3, cmd=ranks(f"""
         import os, signal, time
         if os.environ["RANK"] == "1":
@@ -94,7 +108,7 @@ def test_rank_killed_by_signal(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd):
+def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd, ranks):
     """A rank that ignores SIGTERM (or is busy saving) does not keep the launcher alive past the grace."""
     rc = launch(tmp_path, 2, grace_s=1.0, cmd=ranks(f"""
         import os, signal, sys, time
@@ -110,7 +124,7 @@ def test_rank_ignoring_sigterm_is_still_stopped(tmp_path, capfd):
     assert_others_stopped(tmp_path)
 
 
-def test_signal_to_launcher_reaches_every_rank(tmp_path):
+def test_signal_to_launcher_reaches_every_rank(tmp_path, ranks):
     """SIGUSR2 sent to the launcher (as Slurm does before the time limit) is passed on to each rank."""
     rank_script = textwrap.dedent(f"""
         import os, signal, sys, time
@@ -125,7 +139,7 @@ def test_signal_to_launcher_reaches_every_rank(tmp_path):
         sys.exit(1)
     """)
     launcher = (f"import sys; from hpctrain.launch.local import launch; "
-                f"sys.exit(launch({str(tmp_path / 'run')!r}, 2, cmd=[sys.executable, '-c', {rank_script!r}]))")
+                f"sys.exit(launch({str(tmp_path / 'run')!r}, 2, cmd={ranks(rank_script)!r}))")
     proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)) or proc.poll() is not None,
@@ -140,6 +154,39 @@ def test_signal_to_launcher_reaches_every_rank(tmp_path):
             proc.kill()
             proc.wait()
     assert all((tmp_path / f"usr2-{r}").exists() for r in range(2))
+
+
+def test_a_forked_rank_starts_as_a_fresh_interpreter_would(tmp_path, monkeypatch):
+    """What a rank sees of how it started, through the fork server: its own session and environment,
+    stdin from /dev/null, its argv, the script's folder first on sys.path, `__main__`; its atexit
+    handlers run. Mutants: no fork server (the preloaded module is not there), the server's
+    environment left in place (RANK 0 everywhere), no setsid."""
+    monkeypatch.setenv("HPCTRAIN_FORK_PRELOAD", "decimal")
+    script = tmp_path / "bin" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(f"""
+        import atexit, json, os, sys
+        seen = dict(preloaded="decimal" in sys.modules, name=__name__, argv=sys.argv, path0=sys.path[0],
+                    rank=os.environ["RANK"], extra=os.environ.get("EXTRA"), own_session=os.getsid(0) == os.getpid(),
+                    stdin_null=os.path.samestat(os.fstat(0), os.stat(os.devnull)), ppid=os.getppid())
+        out = os.path.join({str(tmp_path)!r}, "seen-" + os.environ["RANK"])
+        atexit.register(lambda: open(out + ".atexit", "w").close())
+        print("to my log")
+        with open(out, "w") as f:
+            json.dump(seen, f)
+    """))
+    from hpctrain.launch.local import run_ranks
+
+    ended = run_ranks(tmp_path / "run", 2, cmd=[sys.executable, str(script), "a", "b"], env={"EXTRA": "x"})
+    assert ended.rc == 0, ended
+    for r in (0, 1):
+        seen = json.loads((tmp_path / f"seen-{r}").read_text())
+        assert seen == {**seen, "preloaded": True, "name": "__main__", "argv": [str(script), "a", "b"],
+                        "path0": str(script.parent), "rank": str(r), "extra": "x", "own_session": True,
+                        "stdin_null": True}, seen
+        assert seen["ppid"] != os.getpid()  # the server's child, not ours
+        assert (tmp_path / f"seen-{r}.atexit").exists()
+    assert "to my log" in (tmp_path / "run" / "logs" / "rank-1.log").read_text()
 
 
 def test_rank_env():

@@ -1,4 +1,4 @@
-"""Unplanned failures on the real single-machine Slurm (2 emulated nodes x 2 ranks, launcher=sbatch):
+"""Unplanned failures on the real single-machine Slurm (2 emulated nodes x 1 rank, launcher=sbatch):
 a rank killed with SIGKILL, a rank stopped with SIGSTOP, a node lost with everything on it, a node
 unhealthy at start, and a failure that repeats itself. Each job must end by itself, without a new
 submission; where nothing changed the layout, its per-step losses equal an uninterrupted run's."""
@@ -26,9 +26,9 @@ SLOW = "slow_step:ms=100"  # long enough a run to be hit mid-way
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[float]:
-    """The same 4-rank layout, on the local launcher, never interrupted."""
+    """The same 2-rank layout, on the local launcher, never interrupted."""
     d = tmp_path_factory.mktemp("uninterrupted")
-    run_cli(*BASE, *RUN, "launcher.nproc=4", f"run.dir={d}", timeout=600)
+    run_cli(*BASE, *RUN, "launcher.nproc=2", f"run.dir={d}", timeout=600)
     return losses(d)
 
 
@@ -58,9 +58,9 @@ def test_killed_rank_restarts_in_the_job_bit_for_bit(slurm, tmp_path, uninterrup
     run_dir = tmp_path / "run"
     job = submit_sbatch(run_dir, *RUN, fault=SLOW)
     ranks = reach(run_dir, job, 15)
-    os.kill(ranks["pids"]["2"], signal.SIGKILL)  # rank 2, on n2
+    os.kill(ranks["pids"]["1"], signal.SIGKILL)  # rank 1, on n2
     (rec,) = finished(run_dir, job)
-    assert (rec["cause"], rec["ranks"], rec["nodes"]) == ("crashed", [2], ["n2"]), rec
+    assert (rec["cause"], rec["ranks"], rec["nodes"]) == ("crashed", [1], ["n2"]), rec
     assert rec["checkpoint_step"] == 10 and rec["recover_s"] is not None
     assert losses(run_dir) == uninterrupted
 
@@ -70,22 +70,22 @@ def test_stopped_rank_is_named_and_the_run_goes_on(slurm, tmp_path, uninterrupte
     run_dir = tmp_path / "run"
     job = submit_sbatch(run_dir, *RUN, "launcher.hang_timeout_s=8", fault=SLOW)
     ranks = reach(run_dir, job, 15)
-    os.kill(ranks["pids"]["1"], signal.SIGSTOP)  # rank 1, on n1
+    os.kill(ranks["pids"]["1"], signal.SIGSTOP)  # rank 1, on n2
     (rec,) = finished(run_dir, job)
-    assert (rec["cause"], rec["ranks"], rec["nodes"]) == ("hung", [1], ["n1"]), rec
+    assert (rec["cause"], rec["ranks"], rec["nodes"]) == ("hung", [1], ["n2"]), rec
     # Named by its silence, or, when Slurm's SIGCONT before killing the step wakes it in time to
     # report, as the rank behind the others.
     assert "rank(s) 1 wrote no report (stopped or dead)" in rec["detail"] or \
         "rank(s) 1 had not reached collective" in rec["detail"], rec
     hang = run_dir / "attempts" / "0"
     stacks = {p.name for p in hang.glob("stacks-rank-*.txt")}
-    assert {f"stacks-rank-{r}.txt" for r in (0, 2, 3)} <= stacks
+    assert "stacks-rank-0.txt" in stacks
     assert all(json.loads(p.read_text())["timeout_s"] == 8.0 for p in hang.glob("hang-rank-*.json"))
     assert losses(run_dir) == uninterrupted
 
 
 def test_lost_node_run_finishes_on_the_rest(slurm, tmp_path, uninterrupted):
-    """Node n2 dies with everything on it: the run goes on on n1 with half the data-parallel ranks
+    """Node n2 dies with everything on it: the run goes on on n1 with half the data-parallel ranks (one)
     and the same global batch, so the losses stay with the uninterrupted run's."""
     run_dir = tmp_path / "run"
     job = submit_sbatch(run_dir, *RUN, fault=SLOW)
@@ -97,7 +97,7 @@ def test_lost_node_run_finishes_on_the_rest(slurm, tmp_path, uninterrupted):
         subprocess.run(["bash", str(REPO / "slurm" / "start.sh"), "2"], capture_output=True, timeout=300)
     assert (rec["cause"], rec["nodes"]) == ("node_lost", ["n2"]), rec
     attempts = read_jsonl(run_dir / "attempts.jsonl")
-    assert [(a["nodes"], a["world"]) for a in attempts] == [(["n1", "n2"], 4), (["n1"], 2)]
+    assert [(a["nodes"], a["world"]) for a in attempts] == [(["n1", "n2"], 2), (["n1"], 1)]
     got = losses(run_dir)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, uninterrupted), 1):

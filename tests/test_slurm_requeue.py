@@ -16,8 +16,11 @@ from test_slurm_submit import rank_logs, wait_for
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
-# 2 nodes x 2 tasks on cluster=local; the same 4-rank layout runs locally as the reference.
+# 2 nodes x 1 task on cluster=local (ONE_PER_NODE; a rank costs seconds of CPU to start, and the tests
+# here are about nodes: test_slurm_submit.py runs 2 tasks per node); the same 2-rank layout runs locally
+# as the reference.
 BASE = ["+experiment=tiny", "train.micro_batch=4", "optim.warmup_steps=5"]
+ONE_PER_NODE = "cluster.tasks_per_node=1"
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -28,18 +31,18 @@ _REFERENCES: dict[int, list[float]] = {}  # steps -> losses: the Slurm tests run
 
 
 def local_reference(tmp_path: Path, steps: int) -> list[float]:
-    """Per-step losses of the same 4-rank layout on the local launcher, never interrupted (computed once
+    """Per-step losses of the same 2-rank layout on the local launcher, never interrupted (computed once
     per length: the requeue and the chain tests both compare with 60 steps)."""
     if steps not in _REFERENCES:
         d = tmp_path / "local"
-        run_cli(*BASE, f"train.steps={steps}", "launcher.nproc=4", f"run.dir={d}", timeout=600)
+        run_cli(*BASE, f"train.steps={steps}", "launcher.nproc=2", f"run.dir={d}", timeout=600)
         _REFERENCES[steps] = losses(d)
     return _REFERENCES[steps]
 
 
 def submit_sbatch(run_dir: Path, *overrides: str, fault: str) -> str:
     # cluster.env reaches every task: the fault slows each step so that signals land mid-run.
-    run_cli(*BASE, "cluster=local", "launcher=sbatch", f"run.dir={run_dir}", *overrides,
+    run_cli(*BASE, "cluster=local", ONE_PER_NODE, "launcher=sbatch", f"run.dir={run_dir}", *overrides,
             f"+cluster.env.HPCTRAIN_FAULT='{fault}'", timeout=60)
     script = run_dir / "job.sbatch"
     sub = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)

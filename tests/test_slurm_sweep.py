@@ -12,7 +12,7 @@ import pytest
 from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
-from test_slurm_requeue import local_reference, losses, BASE
+from test_slurm_requeue import BASE, ONE_PER_NODE, local_reference, losses
 from test_slurm_submit import rank_logs, wait_for
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
@@ -77,7 +77,7 @@ def test_chain_carries_a_run_past_a_short_time_limit_and_stops_early(slurm, tmp_
     # seconds; the third must be cancelled while it waits (queued links cost no time). Exactly two run.
     steps = 60
     run_dir = tmp_path / "run"
-    proc = run_cli(*BASE, "launcher=slurm", "cluster=local", f"train.steps={steps}", "checkpoint.every=10",
+    proc = run_cli(*BASE, "launcher=slurm", "cluster=local", ONE_PER_NODE, f"train.steps={steps}", "checkpoint.every=10",
                    "cluster.time=00:03:00", "cluster.signal_lead_s=15", "launcher.chain=3", "cluster.max_requeues=0",
                    f"run.dir={run_dir}", "+cluster.env.HPCTRAIN_FAULT='slow_step:ms=3000,attempt=0'", timeout=120)
     assert "a chain of 3 jobs" in proc.stdout, proc.stdout + proc.stderr

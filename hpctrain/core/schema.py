@@ -372,6 +372,10 @@ class LauncherConfig:
     batch script to submit; k8s: write a Kubernetes manifest."""
     nproc: int = 2
     """Ranks the local launcher starts."""
+    fork_ranks: bool = True
+    """Linux: the local launcher starts its ranks as forks of one process that has imported torch
+    (hpctrain.launch.forkserver), about 5 CPU-seconds less per rank; false: each rank a fresh
+    interpreter."""
     backend: Backend = Backend("auto")
     """Collective backend; auto: nccl where the cluster's device is cuda and CUDA is present, else gloo."""
     timeout_s: int = 300

@@ -5,7 +5,9 @@ and SIGUSR2 sent to the launcher are passed on to every rank (USR2 asks for a co
 """
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -13,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
@@ -32,6 +34,131 @@ def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
+
+
+def forkable(cmd: Sequence[str]) -> bool:
+    """Whether hpctrain.launch.forkserver can start `cmd`: `python -m module ...` or `python script.py
+    ...` with this interpreter, on Linux (a fork after importing torch is what its DataLoader does
+    there; macOS's frameworks are not fork-safe)."""
+    return sys.platform.startswith("linux") and len(cmd) >= 2 and cmd[0] == sys.executable and \
+        ((cmd[1] == "-m" and len(cmd) >= 3) or cmd[1].endswith(".py"))
+
+
+class ForkServer:
+    """The launcher's end of hpctrain.launch.forkserver: one server per launch, parent of its ranks."""
+
+    def __init__(self, env: dict, cmd: Sequence[str]):
+        from hpctrain.launch.forkserver import PER_RANK
+
+        r, w = os.pipe()
+        # A session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on. The rank
+        # command is on its command line for `ps` to show (its forks carry the same; ranks.json
+        # names their pids).
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpctrain.launch.forkserver", str(w), "--", *cmd],
+                                     stdin=subprocess.PIPE, pass_fds=(w,), start_new_session=True,
+                                     env={k: v for k, v in env.items() if k not in PER_RANK})
+        os.close(w)
+        self.fd, self.buf = r, b""
+        self.pids: dict[int, int] = {}
+        self.rcs: dict[int, int] = {}
+        self.ranks: set[int] = set()
+
+    def send(self, msg: dict) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        try:
+            while data:  # one write for a signal (under PIPE_BUF: whole), a loop for a rank's start
+                data = data[os.write(self.proc.stdin.fileno(), data):]
+        except BrokenPipeError:
+            pass  # the server is gone: pump() reports its ranks
+
+    def start(self, rank: int, argv: Sequence[str], env: dict, log: Optional[Path]) -> "ForkedRank":
+        self.ranks.add(rank)
+        self.send({"start": rank, "argv": list(argv), "env": env, "log": None if log is None else str(log)})
+        return ForkedRank(self, rank, list(argv))
+
+    def pump(self, timeout: float = 0.0) -> None:
+        """Read what the server has said, waiting at most `timeout` for the first word."""
+        if self.fd < 0 or not select.select([self.fd], [], [], timeout)[0]:
+            return
+        chunk = os.read(self.fd, 65536)
+        if not chunk:  # the server died (killed?): its ranks live on as orphans; stop them
+            os.close(self.fd)
+            self.fd = -1
+            for rank in self.ranks - set(self.rcs):
+                if rank in self.pids:
+                    try:
+                        os.kill(self.pids[rank], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                self.rcs[rank] = -signal.SIGKILL
+            return
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if "pid" in msg:
+                self.pids[msg["rank"]] = msg["pid"]
+            else:
+                self.rcs[msg["ended"]] = msg["rc"]
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """After every rank ended: the server reaps the last and exits."""
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ForkedRank:
+    """A rank the fork server started, with what the launcher uses of subprocess.Popen."""
+
+    def __init__(self, server: ForkServer, rank: int, args: list[str]):
+        self.server, self.rank, self.args = server, rank, args
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.server.pids.get(self.rank)
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.server.rcs.get(self.rank)
+
+    def poll(self) -> Optional[int]:
+        self.server.pump()
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # no pump(): this runs in the launcher's signal handler too
+            self.server.send({"signal": self.rank, "signum": int(signum)})
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.1 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.server.pump(min(0.1, left))
+        return self.returncode
+
+
+Rank = Union[subprocess.Popen, ForkedRank]
+
+
+def running(p: Rank) -> bool:
+    """For a signal handler: a forked rank's state as last read (reading the server's pipe here could
+    interleave with the main loop's read)."""
+    return (p.returncode if isinstance(p, ForkedRank) else p.poll()) is None
 
 
 def signal_name(rc: int) -> str:
@@ -59,31 +186,38 @@ class Ended:
 
 def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
               env: Optional[dict] = None, grace_s: float = 10.0, settle_s: float = 5.0,
-              poll: Optional[Callable[[], None]] = None) -> Ended:
+              poll: Optional[Callable[[], None]] = None, fork: bool = True) -> Ended:
     """Run `cmd` (default: the hpctrain rank entry) as nproc ranks with `env` added to theirs; when one
     fails, give the others `settle_s` to fail by themselves (and write what they know), then stop them.
-    `poll` is called about every 0.1 s while they run."""
+    `poll` is called about every 0.1 s while they run. `fork`: start them through a fork server
+    (hpctrain.launch.forkserver) where `cmd` allows."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cmd = list(cmd or [sys.executable, "-m", "hpctrain.run", str(run_dir)])
     port = free_port()
-    procs: list[subprocess.Popen] = []
+    envs = [{**rank_env(r, nproc, port), **(env or {})} for r in range(nproc)]
+    server = ForkServer(envs[0], cmd) if fork and forkable(cmd) else None
+    procs: list[Rank] = []
     files = []
     for r in range(nproc):
+        log = logs / f"rank-{r}.log" if r > 0 else None
+        if server is not None:
+            procs.append(server.start(r, cmd, envs[r], log))
+            continue
         out = None
-        if r > 0:
-            out = open(logs / f"rank-{r}.log", "ab")
+        if log is not None:
+            out = open(log, "ab")
             files.append(out)
         # A session of their own: a terminal's Ctrl-C reaches the launcher once, which passes it on.
-        procs.append(subprocess.Popen(cmd, env={**rank_env(r, nproc, port), **(env or {})}, stdout=out,
-                                      stderr=subprocess.STDOUT if out else None, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, env=envs[r], stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      start_new_session=True))
     interrupted = []
 
     def forward(signum, _frame):
         if signum in (signal.SIGINT, signal.SIGTERM):
             interrupted.append(signum)
-        alive = [r for r, p in enumerate(procs) if p.poll() is None]
+        alive = [r for r, p in enumerate(procs) if running(p)]
         # Whoever sends a signal says so: a rank's log shows only that it died of it.
         print(f"hpctrain: passing {signal.Signals(signum).name} (sent to the launcher, pid {os.getpid()}) on to "
               f"rank(s) {', '.join(map(str, alive))}", file=sys.stderr, flush=True)
@@ -113,13 +247,15 @@ def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None 
             signal.signal(s, h)
         for f in files:
             f.close()
+        if server is not None:
+            server.close()
     if failed is None:
         return Ended(0, how, None, bool(interrupted))
     r, rc = failed
     return Ended(rc if rc > 0 else 128 - rc, how, r, bool(interrupted))
 
 
-def _ended_badly(procs: list[subprocess.Popen]) -> dict:
+def _ended_badly(procs: list[Rank]) -> dict:
     bad = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)),
                  key=lambda rb: (rb[1] > 0, rb[0]))  # signals first: the cause before its echoes
     return {r: describe_exit(rc) for r, rc in bad}
@@ -130,10 +266,10 @@ def describe_exit(rc: int) -> str:
 
 
 def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
-           grace_s: float = 10.0, settle_s: float = 2.0) -> int:
+           grace_s: float = 10.0, settle_s: float = 2.0, fork: bool = True) -> int:
     """Run `cmd` (default: the hpctrain rank entry) as nproc ranks once; returns the job's exit code
     and says which rank failed first, with the tail of its log."""
-    ended = run_ranks(run_dir, nproc, cmd, grace_s=grace_s, settle_s=settle_s)
+    ended = run_ranks(run_dir, nproc, cmd, grace_s=grace_s, settle_s=settle_s, fork=fork)
     if ended.rc == 0:
         return 0
     r = ended.first
@@ -146,7 +282,7 @@ def launch(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = N
     return ended.rc
 
 
-def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+def first_failure(procs: list[Rank]) -> tuple[int, int] | None:
     """The rank to blame: one killed by a signal (the cause) before one that exited with an error
     (often only the echo of a peer's death), lowest rank first."""
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
@@ -155,13 +291,13 @@ def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
     return sorted(bad, key=lambda rb: (rb[1] > 0, rb[0]))[0]
 
 
-def _settle(procs: list[subprocess.Popen], settle_s: float) -> None:
+def _settle(procs: list[Rank], settle_s: float) -> None:
     deadline = time.monotonic() + settle_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(procs: list[Rank], grace_s: float) -> None:
     # SIGKILL, not SIGTERM: SIGTERM asks ranks for a collective save, which a dead peer would hang.
     alive = [(r, p) for r, p in enumerate(procs) if p.poll() is None]
     if alive:

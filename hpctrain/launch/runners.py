@@ -26,13 +26,13 @@ class LocalRunner:
     """All ranks on this machine: one node, nothing to leave out."""
 
     def __init__(self, cfg: Config, run_dir: Path):
-        self.run_dir, self.nproc = Path(run_dir), cfg.launcher.nproc
+        self.run_dir, self.nproc, self.fork = Path(run_dir), cfg.launcher.nproc, cfg.launcher.fork_ranks
 
     def nodes(self) -> list[str]:
         return [socket.gethostname()]
 
     def start(self, attempt: int, nodes: list[str], env: dict, poll: Poll) -> Ended:
-        return run_ranks(self.run_dir, self.nproc, env=env, poll=poll)
+        return run_ranks(self.run_dir, self.nproc, env=env, poll=poll, fork=self.fork)
 
     def probe(self, nodes: list[str]) -> list[str]:
         return []
