@@ -138,3 +138,16 @@ def test_hostlist_first():
     assert hostlist.first("gpu[003-004],cpu1") == "gpu003"
     with pytest.raises(ValueError):
         hostlist.first("")
+
+
+def test_default_threads_take_what_the_rank_was_given():
+    """OMP_NUM_THREADS first, then Slurm's cpus per task, then the cores shared among the node's ranks.
+    Mutant: cores / local ranks always (on cluster=local's one task per 2-core node: 2 threads spinning
+    against each other, with OMP_NUM_THREADS=1 asked)."""
+    from hpctrain.distributed.bootstrap import default_threads
+
+    assert default_threads({"OMP_NUM_THREADS": "1", "SLURM_CPUS_PER_TASK": "4"}, 1, cores=16) == 1
+    assert default_threads({"SLURM_CPUS_PER_TASK": "4"}, 1, cores=16) == 4
+    assert default_threads({}, 4, cores=16) == 4
+    assert default_threads({"OMP_NUM_THREADS": "", "SLURM_CPUS_PER_TASK": "x"}, 3, cores=16) == 5
+    assert default_threads({}, 8, cores=2) == 1

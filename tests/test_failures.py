@@ -124,6 +124,18 @@ def test_srun_failures_stop_where_srun_tears_the_step_down():
 
 # --- health ---------------------------------------------------------------------------------------
 
+def test_health_kernel_on_cpu_is_not_stretched_by_waiting(monkeypatch):
+    """Time a CPU rank is not running (here: asleep in each matmul, as when another process holds its
+    core) does not make its node look slow. Mutant: the wall clock (perf_counter), which gives >= 0.4 s."""
+    import torch
+
+    from hpctrain.distributed import health
+
+    real = torch.tanh
+    monkeypatch.setattr(health.torch, "tanh", lambda x: (time.sleep(0.05), real(x))[1])
+    assert health._kernel(torch.device("cpu"), repeats=1, iters=8) < 0.2
+
+
 def test_health_judge_names_a_slow_node_even_among_two():
     from hpctrain.distributed.health import judge
 

@@ -222,7 +222,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block."""
     threads: int = 0
-    """Torch intra-op threads per rank; 0 = cores / local ranks."""
+    """Torch intra-op threads per rank; 0 = OMP_NUM_THREADS where set, else Slurm's cpus per task, else
+    cores / local ranks."""
 
 
 @dataclass

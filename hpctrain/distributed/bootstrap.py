@@ -96,15 +96,27 @@ def _mpi(env: Mapping[str, str]) -> DistEnv:
     return DistEnv("mpi", rank, world, local, local_world, None, None)
 
 
+def default_threads(env, local_world: int, cores: int | None = None) -> int:
+    """Torch threads for a rank when train.threads is 0: OMP_NUM_THREADS where it is set (by the user,
+    cluster.env or the local launcher), else the CPUs Slurm gave each task (SLURM_CPUS_PER_TASK), else
+    the node's cores shared among its ranks (MPI launchers leave torch at one thread). More threads
+    than the rank's cores spin in OpenMP's barriers while a sibling waits for a core."""
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        try:
+            if int(env.get(key, "")) > 0:
+                return int(env[key])
+        except ValueError:
+            pass
+    return max(1, (cores or os.cpu_count() or 1) // max(1, local_world))
+
+
 def init(de: DistEnv, backend: str = "gloo", timeout_s: int = 300, threads: int = 0):
     """Start the default process group; returns the torch device this rank computes on."""
     # torch: hpctrain.run imports this module before torch, once its preemption handler is in place
     import torch
     import torch.distributed as dist
 
-    if threads <= 0:
-        threads = max(1, (os.cpu_count() or 1) // max(1, de.local_world))
-    torch.set_num_threads(threads)  # MPI launchers leave torch at one thread
+    torch.set_num_threads(threads if threads > 0 else default_threads(os.environ, de.local_world))
 
     device = torch.device("cpu")
     if backend == "nccl":

@@ -37,20 +37,23 @@ class Verdict:
 
 def _kernel(device, repeats: int = 5, iters: int = 8) -> float:
     """Best of `repeats` timings of `iters` square matmuls, a few ms each (best-of: a rank sharing its
-    core with another process for a moment is not a sick node)."""
+    core with another process for a moment is not a sick node). A CPU rank's kernel is timed in the
+    process's CPU time, which a core shared with other processes does not stretch (on a busy machine
+    one rank's wall time can be 5-35x another's for seconds on end); a GPU's after a synchronize."""
     size, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             a = torch.tanh(a @ b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 

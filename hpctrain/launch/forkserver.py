@@ -29,10 +29,11 @@ import select
 import signal
 import sys
 
-# What every rank of hpctrain imports anyway (hpctrain.run, the benchmarks and the tests' workers);
-# HPCTRAIN_FORK_PRELOAD (comma-separated modules) replaces it.
+# What every rank of hpctrain imports anyway (hpctrain.run, the benchmarks and the tests' workers;
+# torch._dynamo on its first step, through FSDP2 and torch._refs); HPCTRAIN_FORK_PRELOAD
+# (comma-separated modules) replaces it.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torch.distributed.tensor.parallel", "hpctrain.train.loop", "hpctrain.checkpoint.manager")
+           "torch.distributed.tensor.parallel", "torch._dynamo", "hpctrain.train.loop", "hpctrain.checkpoint.manager")
 # Keys that differ between ranks: the server itself runs without them.
 PER_RANK = ("RANK", "LOCAL_RANK")
 

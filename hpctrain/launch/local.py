@@ -197,7 +197,8 @@ def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None 
     cmd = list(cmd or [sys.executable, "-m", "hpctrain.run", str(run_dir)])
     port = free_port()
     envs = [{**rank_env(r, nproc, port), **(env or {})} for r in range(nproc)]
-    server = ForkServer(envs[0], cmd) if fork and forkable(cmd) else None
+    # One rank has nothing to share the server's imports with.
+    server = ForkServer(envs[0], cmd) if fork and nproc > 1 and forkable(cmd) else None
     procs: list[Rank] = []
     files = []
     for r in range(nproc):

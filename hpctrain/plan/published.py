@@ -320,7 +320,11 @@ class Prediction:
     job: Job  # the candidate the planner found fastest
     tokens: float  # predicted tokens/s per GPU
     time: object  # its Throughput
-    memory_gib: float
+
+    @property
+    def memory_gib(self) -> float:
+        """Its device memory per GPU: priced when asked (fitting the constants never asks)."""
+        return memory(self.job).device_total / 2**30
 
     @property
     def error(self) -> float:
@@ -339,5 +343,4 @@ def predict(p: Published, presets: Optional[dict] = None, sw: Optional[Software]
         if best is None or t.tokens_per_s > best[1].tokens_per_s:
             best = (job, t)
     job, t = best
-    return Prediction(row=p, job=job, tokens=t.tokens_per_s / job.world, time=t,
-                      memory_gib=memory(job).device_total / 2**30)
+    return Prediction(row=p, job=job, tokens=t.tokens_per_s / job.world, time=t)
