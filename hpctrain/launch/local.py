@@ -5,9 +5,7 @@ and SIGUSR2 sent to the launcher are passed on to every rank (USR2 asks for a co
 """
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -16,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
+
+from hpctrain.launch.forkserver import ForkedRank, ForkServer, forkable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
@@ -34,122 +34,6 @@ def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
-
-
-def forkable(cmd: Sequence[str]) -> bool:
-    """Whether hpctrain.launch.forkserver can start `cmd`: `python -m module ...` or `python script.py
-    ...` with this interpreter, on Linux (a fork after importing torch is what its DataLoader does
-    there; macOS's frameworks are not fork-safe)."""
-    return sys.platform.startswith("linux") and len(cmd) >= 2 and cmd[0] == sys.executable and \
-        ((cmd[1] == "-m" and len(cmd) >= 3) or cmd[1].endswith(".py"))
-
-
-class ForkServer:
-    """The launcher's end of hpctrain.launch.forkserver: one server per launch, parent of its ranks."""
-
-    def __init__(self, env: dict, cmd: Sequence[str]):
-        from hpctrain.launch.forkserver import PER_RANK
-
-        r, w = os.pipe()
-        # A session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on. The rank
-        # command is on its command line for `ps` to show (its forks carry the same; ranks.json
-        # names their pids).
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpctrain.launch.forkserver", str(w), "--", *cmd],
-                                     stdin=subprocess.PIPE, pass_fds=(w,), start_new_session=True,
-                                     env={k: v for k, v in env.items() if k not in PER_RANK})
-        os.close(w)
-        self.fd, self.buf = r, b""
-        self.pids: dict[int, int] = {}
-        self.rcs: dict[int, int] = {}
-        self.ranks: set[int] = set()
-
-    def send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
-        try:
-            while data:  # one write for a signal (under PIPE_BUF: whole), a loop for a rank's start
-                data = data[os.write(self.proc.stdin.fileno(), data):]
-        except BrokenPipeError:
-            pass  # the server is gone: pump() reports its ranks
-
-    def start(self, rank: int, argv: Sequence[str], env: dict, log: Optional[Path]) -> "ForkedRank":
-        self.ranks.add(rank)
-        self.send({"start": rank, "argv": list(argv), "env": env, "log": None if log is None else str(log)})
-        return ForkedRank(self, rank, list(argv))
-
-    def pump(self, timeout: float = 0.0) -> None:
-        """Read what the server has said, waiting at most `timeout` for the first word."""
-        if self.fd < 0 or not select.select([self.fd], [], [], timeout)[0]:
-            return
-        chunk = os.read(self.fd, 65536)
-        if not chunk:  # the server died (killed?): its ranks live on as orphans; stop them
-            os.close(self.fd)
-            self.fd = -1
-            for rank in self.ranks - set(self.rcs):
-                if rank in self.pids:
-                    try:
-                        os.kill(self.pids[rank], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                self.rcs[rank] = -signal.SIGKILL
-            return
-        self.buf += chunk
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            msg = json.loads(line)
-            if "pid" in msg:
-                self.pids[msg["rank"]] = msg["pid"]
-            else:
-                self.rcs[msg["ended"]] = msg["rc"]
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """After every rank ended: the server reaps the last and exits."""
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class ForkedRank:
-    """A rank the fork server started, with what the launcher uses of subprocess.Popen."""
-
-    def __init__(self, server: ForkServer, rank: int, args: list[str]):
-        self.server, self.rank, self.args = server, rank, args
-
-    @property
-    def pid(self) -> Optional[int]:
-        return self.server.pids.get(self.rank)
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.server.rcs.get(self.rank)
-
-    def poll(self) -> Optional[int]:
-        self.server.pump()
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.returncode is None:  # no pump(): this runs in the launcher's signal handler too
-            self.server.send({"signal": self.rank, "signum": int(signum)})
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = 0.1 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self.server.pump(min(0.1, left))
-        return self.returncode
 
 
 Rank = Union[subprocess.Popen, ForkedRank]
