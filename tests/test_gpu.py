@@ -97,3 +97,18 @@ def test_collectives_benchmark_nccl_path(tmp_path):
                            "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nccl" in proc.stdout + proc.stderr
+
+
+def test_forked_ranks_initialise_cuda_themselves(tmp_path):
+    """The local launcher's fork server imports torch (PRELOAD) but must never touch CUDA: each forked rank
+    initialises it on its own. Mutant: a CUDA call in the server before the fork ("Cannot re-initialize
+    CUDA in forked subprocess" in every rank)."""
+    from hpctrain.launch.local import launch
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, torch\n"
+                      "x = torch.ones(1024, device='cuda') * (int(os.environ['RANK']) + 1)\n"
+                      "torch.cuda.synchronize()\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'ok-' + os.environ['RANK']), 'w').write(str(float(x.sum())))\n")
+    assert launch(tmp_path / "run", 2, cmd=[sys.executable, str(script)]) == 0
+    assert [(tmp_path / f"ok-{r}").read_text() for r in (0, 1)] == ["1024.0", "2048.0"]

@@ -5,7 +5,8 @@ Importing torch, DTensor and distributed checkpointing costs every fresh interpr
 N ranks started by the local launcher pay it N times, on the machine they then train on. Here one
 server process imports them (`PRELOAD`) and forks each rank, the way Python's multiprocessing
 forkserver and torch.multiprocessing's "forkserver" start method do: a child starts with the modules in
-memory. Nothing has run a tensor operation, created a process group or touched a GPU before the fork
+memory. (Not multiprocessing's own forkserver: it lives as long as the launcher's process and keeps
+the stdout it started with, and its children run a function, not `python -m module`.) Nothing has run a tensor operation, created a process group or touched a GPU before the fork
 (CUDA is initialised lazily, by the rank), so a child is in the state a fresh interpreter would reach.
 
 Each child gets its own session, the rank's whole environment, its log on stdout and stderr (or the
