@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.launch.local import launch, rank_env, signal_name
+from hpctrain.launch.local import launch, rank_env, reserved_port, signal_name
 
 from helpers import wait_until
 
@@ -187,6 +187,46 @@ def test_a_forked_rank_starts_as_a_fresh_interpreter_would(tmp_path, monkeypatch
         assert seen["ppid"] != os.getpid()  # the server's child, not ours
         assert (tmp_path / f"seen-{r}.atexit").exists()
     assert "to my log" in (tmp_path / "run" / "logs" / "rank-1.log").read_text()
+
+
+def test_rendezvous_port_is_held_until_the_ranks_end(tmp_path, capfd, ranks):
+    """Each rank finds MASTER_PORT still taken (by the launcher), so no other job can be given it."""
+    rc = launch(tmp_path, 2, cmd=ranks("""
+        import errno, os, socket
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            raise SystemExit("MASTER_PORT was free: any bind to port 0 could have been handed it")
+        except OSError as e:
+            assert e.errno == errno.EADDRINUSE, e
+    """))
+    assert rc == 0, capfd.readouterr().err
+
+
+def test_reserved_port_is_nobody_elses_but_rank_0_can_listen_on_it():
+    """Two jobs given one port cross their collectives (docs/training.md, "The rendezvous port"). While
+    held, the port is never handed to a bind to port 0, yet torch's TCPStore can serve on it."""
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+    with reserved_port() as port:
+        handed = set()
+        for _ in range(20000):  # about 3 times the binds in which Linux handed out a let-go port
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                handed.add(s.getsockname()[1])
+        assert port not in handed
+        with socket.socket() as s, pytest.raises(OSError) as taken:
+            s.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        timeout = datetime.timedelta(seconds=10)
+        server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout)
+        client.set("who", "rank 1")
+        assert server.get("who") == b"rank 1"
+        del client, server
 
 
 def test_rank_env():

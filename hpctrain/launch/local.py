@@ -11,19 +11,32 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 from hpctrain.launch.forkserver import ForkedRank, ForkServer, forkable
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
-def free_port() -> int:
+@contextmanager
+def reserved_port() -> Iterator[int]:
+    """A rendezvous port that stays this job's until the block ends.
+
+    A port found free and then let go can be handed to anyone before rank 0 binds it: Linux gives it to
+    the next socket bound to port 0 (another launch's, or the gloo listener of another job's rank) about
+    once in 14,000 binds. Then this job's rank 0 cannot listen, and its other ranks join that job's
+    rendezvous: two jobs' collectives cross, and ranks die in gloo (an abort on a size mismatch, a
+    crash, a hang). So the launcher keeps the port bound, without listening, while its ranks run:
+    Linux never hands a bound port to a bind to port 0, nor to an outgoing connection, and rank 0's
+    TCPStore, which binds with SO_REUSEADDR as this socket does, may still listen on it
+    (socket(7), SO_REUSEADDR; docs/training.md)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def rank_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict:
@@ -75,11 +88,15 @@ def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None 
     fails, give the others `settle_s` to fail by themselves (and write what they know), then stop them.
     `poll` is called about every 0.1 s while they run. `fork`: start them through a fork server
     (hpctrain.launch.forkserver) where `cmd` allows."""
-    run_dir = Path(run_dir)
+    with reserved_port() as port:
+        return _run_ranks(Path(run_dir), nproc, cmd, env, grace_s, settle_s, poll, fork, port)
+
+
+def _run_ranks(run_dir: Path, nproc: int, cmd: Sequence[str] | None, env: Optional[dict], grace_s: float,
+               settle_s: float, poll: Optional[Callable[[], None]], fork: bool, port: int) -> Ended:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cmd = list(cmd or [sys.executable, "-m", "hpctrain.run", str(run_dir)])
-    port = free_port()
     envs = [{**rank_env(r, nproc, port), **(env or {})} for r in range(nproc)]
     # One rank has nothing to share the server's imports with.
     server = ForkServer(envs[0], cmd) if fork and nproc > 1 and forkable(cmd) else None
