@@ -210,6 +210,20 @@ def test_export_consolidates_weights(tmp_path, async_run):
 
     bad = run_cli("export", str(async_run / "checkpoints"), str(out), module="hpctrain.checkpoint", check=False)
     assert bad.returncode == 2 and "not a complete checkpoint" in bad.stderr
+    assert f"Complete checkpoints: {step_dir.parent / 'step-00000010'}, {step_dir}" in bad.stderr  # what to give instead
+
+
+def test_checkpoint_list_counts_the_tokens_each_one_trained_on(tmp_path, async_run):
+    """Mutant: tokens read from a key the checkpoint does not have (every row said "tokens 0")."""
+    cfg = compose(COMMON)
+    out = run_cli("list", str(async_run), module="hpctrain.checkpoint").stdout.splitlines()
+    assert out[0].split() == ["step", "saved", "world", "tokens", "directory"]
+    rows = [line.split() for line in out[1:]]
+    assert [(r[0], r[3], r[4], r[-1]) for r in rows] == [
+        (str(step), "2", f"{step * cfg.train.global_batch * cfg.data.seq_len:,}",
+         str(async_run / "checkpoints" / f"step-{step:08d}")) for step in (10, 12)]
+    none = run_cli("list", str(tmp_path), module="hpctrain.checkpoint", check=False)
+    assert none.returncode == 1 and "no complete checkpoint in" in none.stderr and "checkpoint.every=N" in none.stderr
 
 
 def test_resume_false_refuses_to_overwrite(async_run):

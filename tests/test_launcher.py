@@ -204,7 +204,7 @@ def test_rendezvous_port_is_held_until_the_ranks_end(tmp_path, capfd, ranks):
 
 
 def test_reserved_port_is_nobody_elses_but_rank_0_can_listen_on_it():
-    """Two jobs given one port cross their collectives (docs/training.md, "The rendezvous port"). While
+    """Two jobs given one port cross their collectives (docs/failures.md, "Two jobs on one rendezvous port"). While
     held, the port is never handed to a bind to port 0, yet torch's TCPStore can serve on it."""
     import datetime
     import errno

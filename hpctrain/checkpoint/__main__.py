@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,6 +96,28 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def listing(run_dir: Path) -> list[str]:
+    """One line per complete checkpoint of a run, oldest first, under a header; none: []."""
+    rows = []
+    for step, path in store.list_complete(run_dir / "checkpoints"):
+        info = store.read_info(path)
+        tokens = (info.get("progress") or {}).get("tokens_seen")
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["time"])) if "time" in info else "?"
+        rows.append(f"{step:>10}  {saved}  {info.get('world_size', '?'):>5}  "
+                    f"{tokens if tokens is None else format(tokens, ','):>14}  {path}")
+    return [f"{'step':>10}  {'saved':<19}  {'world':>5}  {'tokens':>14}  directory", *rows] if rows else []
+
+
+def complete_near(path: Path) -> str:
+    """What to give instead of `path`: the complete checkpoints in it (a run or checkpoints directory) or
+    beside it."""
+    for root in (path / "checkpoints", path, path.parent):
+        found = store.list_complete(root) if root.is_dir() else []
+        if found:
+            return "Complete checkpoints: " + ", ".join(str(p) for _, p in found)
+    return "No complete checkpoint in or beside it: list a run's with `python -m hpctrain.checkpoint list RUN_DIR`."
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -110,13 +133,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
-        for step, path in store.list_complete(args.run_dir / "checkpoints"):
-            info = store.read_info(path)
-            print(f"{step:>10}  {path}  world {info.get('world_size')}  tokens {info.get('tokens_seen', 0):,}")
+        rows = listing(args.run_dir)
+        if not rows:
+            print(f"no complete checkpoint in {args.run_dir / 'checkpoints'} (a run saves with "
+                  "checkpoint.every=N)", file=sys.stderr)
+            return 1
+        print("\n".join(rows))
         return 0
     if not store.is_complete(args.step_dir):
         print(f"error: {args.step_dir} is not a complete checkpoint (a step-NNNNNNNN directory with "
-              f"{store.DCP_METADATA} and {store.INFO})", file=sys.stderr)
+              f"{store.DCP_METADATA} and {store.INFO}). {complete_near(args.step_dir)}", file=sys.stderr)
         return 2
     try:
         if args.format == "hf":

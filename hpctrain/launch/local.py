@@ -26,13 +26,14 @@ def reserved_port() -> Iterator[int]:
     """A rendezvous port that stays this job's until the block ends.
 
     A port found free and then let go can be handed to anyone before rank 0 binds it: Linux gives it to
-    the next socket bound to port 0 (another launch's, or the gloo listener of another job's rank) about
-    once in 14,000 binds. Then this job's rank 0 cannot listen, and its other ranks join that job's
-    rendezvous: two jobs' collectives cross, and ranks die in gloo (an abort on a size mismatch, a
-    crash, a hang). So the launcher keeps the port bound, without listening, while its ranks run:
-    Linux never hands a bound port to a bind to port 0, nor to an outgoing connection, and rank 0's
-    TCPStore, which binds with SO_REUSEADDR as this socket does, may still listen on it
-    (socket(7), SO_REUSEADDR; docs/training.md)."""
+    a later bind to port 0 (here a few times in 40,000 binds). If another launch's probe gets it, both
+    jobs get one port: one job's rank 0 cannot listen, and its other ranks join the other job's
+    rendezvous, whose collectives then cross (gloo aborts on a size mismatch, ranks hang). If a gloo
+    listener of another job gets it, this job cannot start. So the launcher keeps the port bound,
+    without listening, while its ranks run: Linux never hands a bound port to a bind to port 0, nor to an
+    outgoing connection, and rank 0's TCPStore, which binds with SO_REUSEADDR as this socket does, may
+    still listen on it
+    (socket(7), SO_REUSEADDR; docs/failures.md, "Two jobs on one rendezvous port")."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
