@@ -118,6 +118,8 @@ def overwrite_problem(run_dir: str | os.PathLike, resume: bool) -> str | None:
 
 ATTEMPTS = "attempts"
 INTERRUPTIONS = "interruptions.jsonl"
+# The cause of an interruption a person asked for (Ctrl-C, kill): not charged to goodput while they wait.
+STOPPED = "stopped"
 CHECKPOINT_LOG = "checkpoints.jsonl"  # one line per completed save: step, seconds, blocked_s, async, bytes
 
 

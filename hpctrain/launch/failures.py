@@ -32,7 +32,7 @@ ECHOES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe"
 
 @dataclass
 class Failure:
-    cause: str  # unhealthy | node_lost | hung | crashed
+    cause: str  # unhealthy | node_lost | hung | crashed; the supervisor's own: preempted | stopped
     ranks: list = field(default_factory=list)
     nodes: list = field(default_factory=list)
     detail: str = ""

@@ -79,7 +79,7 @@ class Ended:
     rc: int  # 0, or the first failed rank's exit code (128 + signal for a signal)
     failed: dict = field(default_factory=dict)  # rank -> "exit code N" | "killed by SIGNAME"
     first: Optional[int] = None  # the rank to blame
-    interrupted: bool = False  # the launcher itself got SIGINT/SIGTERM (a person or scancel)
+    interrupted: int = 0  # the first SIGINT/SIGTERM the launcher itself got (a person, scancel), or 0
 
 
 def run_ranks(run_dir: str | os.PathLike, nproc: int, cmd: Sequence[str] | None = None,
@@ -153,9 +153,9 @@ def _run_ranks(run_dir: Path, nproc: int, cmd: Sequence[str] | None, env: Option
         if server is not None:
             server.close()
     if failed is None:
-        return Ended(0, how, None, bool(interrupted))
+        return Ended(0, how, None, interrupted[0] if interrupted else 0)
     r, rc = failed
-    return Ended(rc if rc > 0 else 128 - rc, how, r, bool(interrupted))
+    return Ended(rc if rc > 0 else 128 - rc, how, r, interrupted[0] if interrupted else 0)
 
 
 def _ended_badly(procs: list[Rank]) -> dict:

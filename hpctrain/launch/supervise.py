@@ -36,7 +36,7 @@ from hpctrain.core.compose import ConfigError, load, to_yaml
 from hpctrain.launch import chain, requeue as slurm_requeue
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
-from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, append_jsonl, attempt_dir, clear_outcome, list_complete,
+from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, STOPPED, append_jsonl, attempt_dir, clear_outcome, list_complete,
                              read_jsonl, read_outcome, write_atomic, write_jsonl)
 from hpctrain.core.spec import world_size
 from hpctrain.launch.runners import LocalRunner, SrunRunner
@@ -51,7 +51,7 @@ class Supervisor:
         self.run_dir, self.runner, self.slurm = Path(run_dir), runner, slurm
         self.cfg = load(self.run_dir / "config.yaml")
         self.excluded: list[str] = []
-        self.stopping = False
+        self.stopping = 0  # the signal a person (or scancel) sent the supervisor, or 0
         self._polled = 0.0
 
     # ------------------------------------------------------------------ the loop
@@ -89,9 +89,12 @@ class Supervisor:
                 say(f"completed at step {outcome.get('step')}")
                 self._end_chain()
                 return 0
+            stop = ended.interrupted or self.stopping
             if ended.rc == 0 and outcome.get("status") == "preempted":
-                return self._preempted(outcome, attempt)
-            if ended.interrupted or self.stopping:
+                return self._preempted(outcome, attempt, stop)
+            if stop:
+                self._record(Failure(STOPPED, detail=f"{signal.Signals(stop).name} to the launcher: stopped without "
+                                     "saving", failed_at=time.time()), attempt)
                 say("stopped by a signal: not restarting; run the same command again to resume")
                 return ended.rc or 130
             failure = self._classify(attempt, nodes, ended)
@@ -144,8 +147,11 @@ class Supervisor:
             say(f"requeued without {', '.join(self.excluded)}: the job resumes from the newest checkpoint")
         return None
 
-    def _preempted(self, outcome: dict, attempt: int) -> int:
-        self._record(Failure("preempted", detail=f"saved at step {outcome.get('step')}", failed_at=time.time()),
+    def _preempted(self, outcome: dict, attempt: int, stop: int) -> int:
+        # A person's Ctrl-C is not a preemption: goodput does not charge the time until they go on.
+        cause = STOPPED if stop == signal.SIGINT else "preempted"
+        how = "Ctrl-C (SIGINT) to the launcher: " if cause == STOPPED else ""
+        self._record(Failure(cause, detail=f"{how}saved at step {outcome.get('step')}", failed_at=time.time()),
                      attempt)
         later = chain.later_links(chain.read_chain(self.run_dir), os.environ) if self.slurm else []
         if later:  # the next link of the chain goes on from this save
@@ -222,7 +228,7 @@ class Supervisor:
             write_jsonl(self.run_dir / INTERRUPTIONS, records)
 
     def interrupt(self, signum, _frame) -> None:
-        self.stopping = True
+        self.stopping = self.stopping or signum
         forward = getattr(self.runner, "forward", None)
         if forward is not None:
             forward(signum)

@@ -3,7 +3,8 @@
 goodput = time in productive steps / wall time, where productive steps are the steps of the run as
 it finally happened (metrics.jsonl keeps one record per step; steps trained again after a restart
 replace the lost ones) and the wall time runs from the first start of the ranks to the end of the
-last (attempts.jsonl). The breakdown charges each interruption (interruptions.jsonl) with the time
+last (attempts.jsonl), less the time a person kept the run stopped (an interruption of cause
+"stopped", a Ctrl-C: from the stop to the next start). The breakdown charges each interruption (interruptions.jsonl) with the time
 from the failure to the first step after the restart, and with the steps it made train again.
 Works on a run in progress too (its wall time ends now). Malformed lines of those files are left out
 and named (file:line) under the figures; a wall time that ends before it starts is reported as a
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl_checked
+from hpctrain.core.rundir import INTERRUPTIONS, STOPPED, read_jsonl_checked
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Goodput:
     steps: int
     interruptions: list = field(default_factory=list)  # the records, as written
     lost_s: float = 0.0  # failure -> first step after the restart, summed
+    paused_s: float = 0.0  # a person's stop -> the next start: not in wall_s
     redone_s: float = 0.0  # steps trained twice, at the median step time
     skipped: list = field(default_factory=list)  # 'file:line: why' of each malformed line left out
     problems: list = field(default_factory=list)  # why a figure cannot be trusted (a negative wall time)
@@ -60,7 +62,8 @@ def measure(run_dir: str | Path) -> Goodput:
     by_step = {m["step"]: m for m in metrics}  # the last record of a step is the one kept
     every = _log_every(sorted(by_step))
     times = [m["step_time_s"] for m in by_step.values() if "step_time_s" in m]
-    g = Goodput(wall_s=end - start, productive_s=sum(times) * every, steps=len(by_step) * every,
+    paused = sum(_paused(r) for r in interruptions)
+    g = Goodput(wall_s=end - start - paused, paused_s=paused, productive_s=sum(times) * every, steps=len(by_step) * every,
                 interruptions=interruptions, skipped=skipped)
     if g.wall_s < 0:
         g.problems.append(f"{run_dir / 'attempts.jsonl'}: the run ends (end={end}) {start - end:.1f} s before it "
@@ -70,10 +73,18 @@ def measure(run_dir: str | Path) -> Goodput:
     for rec in g.interruptions:
         if rec.get("cause") == "preempted":
             continue
-        if rec.get("recover_s") is not None:
+        if rec.get("recover_s") is not None and rec.get("cause") != STOPPED:
             g.lost_s += rec["recover_s"]
         g.redone_s += (rec.get("steps_redone") or 0) * median
     return g
+
+
+def _paused(rec: dict) -> float:
+    """How long a person kept the run stopped: from their stop to the next start (0 for other causes)."""
+    stopped, restarted = rec.get("failed_at") or rec.get("time"), rec.get("restarted_at")
+    if rec.get("cause") != STOPPED or not all(isinstance(t, (int, float)) for t in (stopped, restarted)):
+        return 0.0
+    return max(0.0, restarted - stopped)
 
 
 def _log_every(steps: list) -> int:
@@ -88,6 +99,8 @@ def report(g: Goodput) -> str:
         lines = [f"goodput {g.goodput:.1%}: {g.productive_s:.1f} s in {g.steps} productive steps of {g.wall_s:.1f} s wall time",
                  f"  charged to interruptions: {g.lost_s:.1f} s from failure to the next step, "
                  f"{g.redone_s:.1f} s of steps trained again; start-up, saves and the rest: {g.other_s:.1f} s"]
+        if g.paused_s:
+            lines.append(f"  not counted: {g.paused_s:.1f} s stopped by a person (Ctrl-C) until the next start")
     if g.interruptions:
         lines.append(f"{'cause':<10} {'ranks':<8} {'nodes':<10} {'detect s':>9} {'recover s':>10} {'redone':>7}  detail")
         for r in g.interruptions:
