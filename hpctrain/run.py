@@ -19,6 +19,7 @@ from hpctrain.core import faults
 from hpctrain.core.compose import load
 from hpctrain.distributed import nccl
 from hpctrain.distributed.bootstrap import BootstrapError, detect, init
+from hpctrain.launch.failures import ECHOES
 from hpctrain.core.rundir import attempt_dir
 from hpctrain.core.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
@@ -83,8 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         report_error(adir, de.rank, e)
         return 2
     except BaseException as e:  # DCP raises BaseException subclasses; log them all, then fail the rank
-        traceback.print_exc()
         report_error(adir, de.rank, e)
+        if is_echo(e):
+            # A peer's death seen from here: a page of gloo traceback would bury the supervisor's verdict
+            # (which rank failed first, and why) that follows it.
+            log.error("a collective failed because a peer rank went away (%s); the supervisor names the rank "
+                      "that failed first. This rank's traceback: %s", first_line(e),
+                      adir / f"error-rank-{de.rank}.json")
+        else:
+            traceback.print_exc()
         return 1
     finally:
         if watchdog is not None:
@@ -107,12 +115,20 @@ def where_ranks_run(adir: Path) -> None:
                                                      "pids": {str(r): p for r, (_, p) in enumerate(where)}}))
 
 
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"[:500]
+
+
+def is_echo(error: BaseException) -> bool:
+    """An error this rank raised because a peer died (a broken connection in a collective)."""
+    return any(e in str(error) for e in ECHOES)
+
+
 def report_error(adir: Path, rank: int, error: BaseException) -> None:
-    """<attempt dir>/error-rank-R.json: what ended this rank, for the supervisor."""
-    first = (str(error).strip().splitlines() or [""])[0]
-    report = {"rank": rank, "host": socket.gethostname(), "time": time.time(),
-              "error": f"{type(error).__name__}: {first}"[:500],
-              "traceback": traceback.format_exception(error)[-6:]}
+    """<attempt dir>/error-rank-R.json: what ended this rank, for the supervisor (and a person: the
+    whole traceback)."""
+    report = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "error": first_line(error),
+              "traceback": traceback.format_exception(error)}
     try:
         (adir / f"error-rank-{rank}.json").write_text(json.dumps(report))
     except OSError:

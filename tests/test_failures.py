@@ -249,3 +249,25 @@ def test_goodput_charges_interruptions(tmp_path):
     text = report(g)
     assert "goodput 33.3%" in text and "crashed" in text and "9.0" in text
     assert main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_an_echo_of_a_peers_death_is_one_line_and_a_whole_report(tmp_path):
+    """What a surviving rank raised in gloo when its peer died is told apart from its own errors, and its
+    report keeps the whole traceback (mutants: every error an echo; the report cut to 6 lines)."""
+    from hpctrain.run import is_echo, report_error
+
+    def deep(n):
+        if n == 0:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22929")
+        deep(n - 1)
+
+    try:
+        deep(10)
+    except RuntimeError as e:
+        echo = e
+    assert is_echo(echo) and not is_echo(ValueError("optim.lr must be positive"))
+    report_error(tmp_path, 0, echo)
+    rep = json.loads((tmp_path / "error-rank-0.json").read_text())
+    assert rep["error"].startswith("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert rep["traceback"][0].startswith("Traceback")  # from the top (the old report kept the last 6 lines)
+    assert any("in test_an_echo_of_a_peers_death" in line for line in rep["traceback"])

@@ -160,3 +160,4 @@ def test_local_sweep_runs_every_element_and_the_report_compares_them(tmp_path):
     again = run_cli("-m", "+experiment=tiny", "launcher.nproc=1", "train.steps=4", "eval.every=2", "eval.batches=1",
                     "optim.lr=1e-3,1e-2", f"run.dir={sweep}", timeout=300)
     assert again.stderr.count("already completed at step 4: nothing to do") == 2, again.stderr
+    assert f"give a new run.dir (run.dir={sweep / 'optim.lr=0.01'}-2)" in again.stderr  # the way on

@@ -81,3 +81,9 @@ def test_max_restarts_zero_stops_at_the_first_failure(tmp_path):
                    env={"HPCTRAIN_FAULT": "crash:step=6,rank=1"})
     assert proc.returncode == 1 and "0 restart(s) used up (launcher.max_restarts=0)" in proc.stderr
     assert [a["rc"] for a in read_jsonl(tmp_path / "attempts.jsonl")] == [128 + 9]
+    echo = tmp_path / "attempts" / "0" / "error-rank-0.json"
+    if echo.exists():  # rank 0 saw its peer go before the launcher stopped it (not always: a race)
+        # One line on the terminal, before the supervisor's verdict; the whole traceback in the report.
+        # Mutant: the old traceback.print_exc() for every error.
+        assert "a peer rank went away" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert json.loads(echo.read_text())["traceback"][0].startswith("Traceback (most recent call last)")

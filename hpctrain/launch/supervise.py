@@ -46,6 +46,15 @@ def say(msg: str) -> None:
     print(f"hpctrain: {msg}", file=sys.stderr, flush=True)
 
 
+def completed_message(run_dir: Path, step: int) -> str:
+    """What to do instead of rerunning a finished run."""
+    msg = (f"the run already completed at step {step}: nothing to do. To train from scratch, give a new "
+           f"run.dir (run.dir={run_dir}-2)")
+    if list_complete(run_dir / "checkpoints"):
+        msg += f"; to train this one further from its last checkpoint, raise train.steps above {step}"
+    return msg
+
+
 class Supervisor:
     def __init__(self, run_dir: Path, runner, slurm: bool):
         self.run_dir, self.runner, self.slurm = Path(run_dir), runner, slurm
@@ -60,7 +69,7 @@ class Supervisor:
         done = read_outcome(self.run_dir) or {}
         if done.get("status") == "completed" and int(done.get("step", -1)) >= self.cfg.train.steps:
             # A later link of a chain (or a rerun) on a finished run: nothing to train.
-            say(f"the run already completed at step {done['step']}: nothing to do")
+            say(completed_message(self.run_dir, int(done["step"])))
             self._end_chain()
             return 0
         attempt = self._next_attempt()
