@@ -10,8 +10,10 @@ import shlex
 import sys
 
 
+from hpctrain.core import words
 from hpctrain.core.compose import ConfigError, to_yaml
 from hpctrain.checks.config_checks import check, compose_checked
+from hpctrain.plan import duration
 from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.verdict import summary as plan_summary
 from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
@@ -60,11 +62,18 @@ every key with its type, default, allowed values and meaning: docs/config.md
 """
 
 
+def whole_run(cfg: Config, the_plan) -> str:
+    """How long the run takes, and a warning with the fixes when its Slurm time is too short."""
+    d = duration.duration(cfg, the_plan)
+    problem = duration.time_limit_problem(cfg, d)
+    return duration.describe(d) + (f"\nwarning: {problem}" if problem else "")
+
+
 def summary(cfg: Config) -> str:
     spec = engine_spec(cfg)
     params, lay = spec.params, spec.layout
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return (f"model {cfg.model.name}: {params / 1e9:.3f} B parameters ({params:,})\n"
+    return (f"model {cfg.model.name}: {words.params(params)} parameters ({params:,})\n"
             f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
             + (f"pipeline: {spec.pipeline.describe()}\n" if spec.pipeline and spec.pipeline.blocks else "") +
             f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             check(cfg, refused)
         cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
         print(plan_summary(the_plan), flush=True)
+        print(whole_run(cfg, the_plan), flush=True)
         if cfg.dry_run:  # writes nothing, not even plan.json: run.dir may hold another run's
             if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
                 print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")

@@ -19,8 +19,7 @@ from hpctrain.core import faults
 from hpctrain.core.compose import load
 from hpctrain.distributed import nccl
 from hpctrain.distributed.bootstrap import BootstrapError, detect, init
-from hpctrain.launch.failures import ECHOES
-from hpctrain.core.rundir import attempt_dir
+from hpctrain.core.rundir import ECHOES, attempt_dir
 from hpctrain.core.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
 

@@ -117,6 +117,9 @@ def overwrite_problem(run_dir: str | os.PathLike, resume: bool) -> str | None:
 # ----------------------------------------------------------------------------- restarts
 
 ATTEMPTS = "attempts"
+# Errors a rank raises because a peer died, not on its own account (in attempts/N/error-rank-R.json).
+ECHOES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+          "NCCL communicator was aborted", "ProcessGroupGloo", "TCPStore", "recvValue", "Timed out waiting")
 INTERRUPTIONS = "interruptions.jsonl"
 # The cause of an interruption a person asked for (Ctrl-C, kill): not charged to goodput while they wait.
 STOPPED = "stopped"

@@ -445,6 +445,9 @@ class ClusterConfig:
     """Planner: NVMe read or write per node (offload.target=nvme)."""
     nvme_gb: float = 0.0
     """Planner: NVMe capacity per node for offloaded state; 0 = none."""
+    checkpoint_gbps: float = 2.0
+    """Planner: write bandwidth per node to run.dir's file system, GB/s: prices the checkpoint saves in the
+    whole run's time (a parallel file system client sustains a few GB/s per node)."""
     host_adam_gparams: float = 0.3
     """Planner: host optimizer updates per node, billions of parameters/s."""
     runtime_reserve_gb: float = 0.0

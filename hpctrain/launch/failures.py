@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from hpctrain.core.rundir import ECHOES
+
 EXIT_HUNG = 75  # hpctrain.train.watchdog
 EXIT_UNHEALTHY = 76  # hpctrain.distributed.health
 REPORT_WINDOW_S = 3.0  # watchdogs linger 5 s (hpctrain.train.watchdog) and poll every second
-# Errors a rank raises because a peer died, not on its own account.
-ECHOES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
-          "NCCL communicator was aborted", "ProcessGroupGloo", "TCPStore", "recvValue", "Timed out waiting")
 
 
 @dataclass

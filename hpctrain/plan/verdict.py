@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from hpctrain.core import words
 from hpctrain.core.schema import ClusterConfig, ModelConfig
 from hpctrain.core.spec import Knobs, Layout
 from hpctrain.core.flops import param_counts
@@ -73,19 +74,19 @@ def _parts(d: dict, fmt, total: float = 0.0) -> str:
 def summary(p: Plan) -> str:
     j, m, t = p.job, p.memory, p.time
     c = j.cluster
-    n = param_counts(j.model)["total"]
-    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-    lines = [f"{j.model.name} ({size} params) on {j.world} x {c.name}: "
+    unit = words.device(c.gpus_per_node)
+    lines = [f"{j.model.name} ({words.params(param_counts(j.model)['total'])} params) on {j.world} x {c.name}: "
              f"{describe(j)}",
-             f"memory per GPU (stage {m.stage}): {gib(m.device_total)} of {gib(m.device_limit)}: "
+             f"memory per {unit} (stage {m.stage}): {gib(m.device_total)} of {gib(m.device_limit)}: "
              + _parts(m.device, gib),
              f"host per node {gib(m.host_per_node)} of {gib(m.host_limit)}: " + _parts(m.host_per_rank, gib)
              + f" per rank x {m.ranks_per_node}"
              + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
-             f"step {t.step_time_s:.3g} s ({j.microbatches} micro-batches of {j.knobs.micro_batch} x {j.knobs.seq_len}): "
+             f"step {t.step_time_s:.3g} s ({words.plural(j.microbatches, 'micro-batch', 'micro-batches')} of "
+             f"{j.knobs.micro_batch} x {j.knobs.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
-             f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per GPU), "
-             f"{t.tflops_per_gpu:.3g} TFLOP/s per GPU, MFU {t.mfu:.1%}"
+             f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per {unit}), "
+             f"{t.tflops_per_gpu:.3g} TFLOP/s per {unit}, MFU {t.mfu:.1%}"
              + (f" ({t.hw_tflops_per_gpu:.3g} hardware TFLOP/s with recomputation)"
                 if t.hw_tflops_per_gpu > t.tflops_per_gpu * 1.0001 else "")]
     if p.problems:
