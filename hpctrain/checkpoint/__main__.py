@@ -119,17 +119,23 @@ def complete_near(path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint")
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint", description="A run's checkpoints: list them, or export one's weights.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write one consolidated weights file")
-    e.add_argument("step_dir", type=Path)
-    e.add_argument("out", type=Path)
-    e.add_argument("--dtype", choices=("keep", "bf16", "fp32", "fp16"), default="keep")
+    e = sub.add_parser("export", help="a checkpoint's weights as one safetensors file, or a Hugging Face "
+                       "directory (--format hf)", description="Consolidate a sharded checkpoint's weights: one "
+                       "safetensors file (--format file), or a Hugging Face Llama directory that transformers "
+                       "loads (--format hf: config.json, safetensors shards and their index).")
+    e.add_argument("step_dir", type=Path, help="a complete checkpoint: RUN_DIR/checkpoints/step-NNNNNNNN")
+    e.add_argument("out", type=Path, help="the file (--format file) or new directory (--format hf) to write")
+    e.add_argument("--dtype", choices=("keep", "bf16", "fp32", "fp16"), default="keep",
+                   help="the weights' type in the output; keep: as trained (default: %(default)s)")
     e.add_argument("--format", choices=("file", "hf"), default="file",
-                   help="hf: a Hugging Face Llama directory (out is a directory)")
-    e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file")
-    ls = sub.add_parser("list", help="complete checkpoints of a run")
-    ls.add_argument("run_dir", type=Path)
+                   help="file: one safetensors file; hf: a Hugging Face Llama directory (default: %(default)s)")
+    e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file, GB (default: %(default)s)")
+    ls = sub.add_parser("list", help="complete checkpoints of a run: step, save time, world size, tokens",
+                        description="The complete checkpoints of a run, oldest first: step, save time, world "
+                        "size and tokens trained on. Exit 1 when there is none.")
+    ls.add_argument("run_dir", type=Path, help="the run directory (run.dir)")
     args = ap.parse_args(argv)
 
     if args.cmd == "list":

@@ -82,10 +82,10 @@ def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.data.example", description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--mb", type=float, default=2.0, help="megabytes of text (the standard library has ~1.7)")
-    ap.add_argument("--vocab", type=int, default=2048, help="the tokenizer's vocabulary size")
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.data.example", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("out", type=Path, help="a new or empty directory: corpus.jsonl, tokenizer.json, tokenizer_config.json")
+    ap.add_argument("--mb", type=float, default=2.0, help="megabytes of text (the standard library has ~1.7) (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=2048, help="the tokenizer's vocabulary size (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         info = build(args.out, args.mb, args.vocab)

@@ -223,12 +223,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or model directory (default: UTF-8 bytes)")
     ap.add_argument("--eos", help="the end-of-document token (default: tokenizer_config.json's, or a usual name)")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                    help="tokenizing processes (0: in this process)")
-    ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation")
-    ap.add_argument("--seed", type=int, default=0, help="which documents go to validation")
-    ap.add_argument("--text-field", default="text", help="the JSON key or Parquet column holding the text")
-    ap.add_argument("--shard-mb", type=int, default=64)
-    ap.add_argument("--ext", default=",".join(TEXT + JSONL + PARQUET), help="file endings to read")
+                    help="tokenizing processes, 0: in this process (default: the cores this process may use, %(default)s here)")
+    ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for validation (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="which documents go to validation (default: %(default)s)")
+    ap.add_argument("--text-field", default="text", help="the JSON key or Parquet column holding the text (default: %(default)s)")
+    ap.add_argument("--shard-mb", type=int, default=64, help="megabytes of tokens per shard file (default: %(default)s)")
+    ap.add_argument("--ext", default=",".join(TEXT + JSONL + PARQUET), help="file endings to read, comma-separated (default: %(default)s)")
     args = ap.parse_args(argv)
     if not args.src.exists():
         print(f"error: {args.src} does not exist", file=sys.stderr)

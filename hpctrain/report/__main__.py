@@ -13,7 +13,7 @@ from hpctrain.report import run_report, sweep_report
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description=run_report.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.report", description="A run's report for people: report.html with its plots (loss, throughput, memory against the plan, checkpoints, restarts), or a sweep's, comparing its runs.")
     ap.add_argument("run_dir", type=Path, help="a run directory, or a sweep's (it holds sweep.json)")
     ap.add_argument("--out", type=Path, help="where report.html and the PNGs go (default: RUN_DIR/report)")
     a = ap.parse_args(argv)

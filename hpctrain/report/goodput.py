@@ -12,6 +12,7 @@ problem, not as a figure.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -116,12 +117,17 @@ def report(g: Goodput) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m hpctrain.report.goodput <run.dir>", file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.report.goodput", description=(
+        "How much of a run's wall time went into steps it kept (goodput), and what each interruption cost: "
+        "the time from the failure to the next step, and the steps trained again. Exit 1 when the figures "
+        "cannot be trusted (the files disagree), 2 when they cannot be read."))
+    ap.add_argument("run_dir", help="the run directory (run.dir): attempts.jsonl, metrics.jsonl, interruptions.jsonl")
     try:
-        g = measure(argv[0])
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    try:
+        g = measure(args.run_dir)
         print(report(g))
     except ValueError as e:
         print(f"hpctrain.report.goodput: error: {e}", file=sys.stderr)

@@ -433,14 +433,14 @@ def plot(data: SweepData, res: dict, out_dir: Path) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpctrain.report.nccl_report",
                                  description="Table, plots and conf/cluster snippet from a collective sweep.")
-    ap.add_argument("sweep_dir")
+    ap.add_argument("sweep_dir", help="the directory python -m hpctrain.bench.sweep wrote (--out)")
     ap.add_argument("--small-below", default="64K", help="end of the 'small' range (default 64K)")
     ap.add_argument("--large-from", default="16M",
                     help="start of the 'large' range the verdict uses (default 16M: gradient buckets and "
                          "FSDP layer shards)")
     ap.add_argument("--min-gain", type=float, default=0.03,
                     help="gain over the baseline a winner needs (default 0.03 = 3%%)")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="the table and snippet only, no PNGs")
     a = ap.parse_args(argv)
     root = Path(a.sweep_dir)
     try:
