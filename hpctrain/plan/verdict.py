@@ -39,6 +39,7 @@ def plan_dict(p: Plan) -> dict:
     """plan.json: what a run directory records about its predicted cost."""
     m, t, j = p.memory, p.time, p.job
     return {"model": j.model.name, "params": param_counts(j.model)["total"], "world": j.world,
+            "device": "gpu" if j.cluster.gpus_per_node else "cpu",
             "layout": knobs(j), "seq_len": j.knobs.seq_len, "global_batch": j.knobs.global_batch,
             "microbatches": j.microbatches, "precision": j.knobs.precision, "feasible": p.fits, "problems": p.problems,
             "memory_per_gpu_bytes": m.device_total, "memory_breakdown_bytes": m.device, "memory_stage": m.stage,

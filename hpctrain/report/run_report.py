@@ -25,6 +25,9 @@ from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_js
 from hpctrain.report import goodput
 
 GiB = 2**30
+# One colour per interruption cause on every plot (matplotlib's default cycle).
+CAUSE_COLOURS = {"crashed": "C3", "hung": "C4", "node_lost": "C5", "unhealthy": "C6", "preempted": "C2",
+                 "stopped": "C8"}
 TOOL = "hpctrain.report"  # the name in the marker of its output directories (run and sweep reports)
 
 
@@ -96,16 +99,32 @@ def plot_loss(run: Run, out: Path) -> Optional[str]:
     if not train:
         return None
     fig, (by_step, by_tokens) = _axes(2)
+    log = all(m["loss"] > 0 for m in train) and all(m["val_loss"] > 0 for m in run.val)
     for ax, x in ((by_step, "step"), (by_tokens, "tokens")):
         ax.plot([m.get(x, m["step"]) for m in train], [m["loss"] for m in train], lw=1, label="training")
         if run.val:
             ax.plot([m.get(x, m["step"]) for m in run.val], [m["val_loss"] for m in run.val], "o-", color="C3",
                     label="validation")
+        if x == "step":
+            _mark_interruptions(ax, run)
         ax.set_xlabel(x)
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
+        if log:  # a falling loss spans decades: a linear axis shows only its first steps
+            ax.set_yscale("log")
+        ax.set_ylabel("loss (log scale)" if log else "loss")
+        ax.grid(alpha=0.3, which="both")
         ax.legend()
     return _save(fig, out / "loss.png")
+
+
+def _mark_interruptions(ax, run: Run) -> None:
+    """A vertical line at the last step before each interruption, named by its cause."""
+    seen = set()
+    for r in run.interruptions:
+        step, cause = r.get("last_step"), r.get("cause", "?")
+        if isinstance(step, (int, float)) and step > 0:
+            ax.axvline(step, color=CAUSE_COLOURS.get(cause, "C7"), ls=":", lw=1.5,
+                       label=None if cause in seen else f"{cause} after this step")
+            seen.add(cause)
 
 
 def _breaks(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
@@ -136,12 +155,13 @@ def plot_throughput(run: Run, out: Path) -> Optional[str]:
     ax.set_ylabel("tokens/s")
     for r in run.interruptions:  # from the failure to the first step after the restart
         if r.get("failed_at") and r.get("first_step_at"):
-            ax.axvspan((r["failed_at"] - t0) / 60, (r["first_step_at"] - t0) / 60, color="C3", alpha=0.2,
-                       label=f"interrupted: {r.get('cause', '?')}")
+            ax.axvspan((r["failed_at"] - t0) / 60, (r["first_step_at"] - t0) / 60,
+                       color=CAUSE_COLOURS.get(r.get("cause"), "C7"), alpha=0.2,
+                       label=f"{r.get('cause', '?')}: until the next step")
     per = rows[0].get("mfu", 0) / rows[0]["tokens_per_s"]  # MFU is tokens/s times a constant of the run
     if per > 0:
         mfu = ax.secondary_yaxis("right", functions=(lambda t: 100 * per * t, lambda m: m / (100 * per)))
-        mfu.set_ylabel("MFU %")
+        mfu.set_ylabel("MFU % (the same line, on its own scale)")
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
@@ -172,8 +192,10 @@ def plot_memory(run: Run, out: Path) -> Optional[str]:
     rows = [m for m in run.metrics if "mem_bytes" in m]
     if not rows:
         return None
+    gpu = run.plan.get("device") == "gpu"
     fig, (ax,) = _axes(1, 9)
-    ax.plot([m["step"] for m in rows], [m["mem_bytes"] / GiB for m in rows], label="measured on rank 0 (peak allocated on GPU, peak RSS on CPU)")
+    ax.plot([m["step"] for m in rows], [m["mem_bytes"] / GiB for m in rows],
+            label="measured on rank 0: peak allocated on the GPU" if gpu else "measured on rank 0: peak RSS of the process")
     for i, phase in enumerate(("forward", "backward", "forward_backward", "optimizer", "checkpoint")):
         key = f"mem_{phase}_bytes"  # profile.memory=true: the peak of each phase of the step
         pts = [m for m in rows if key in m]
@@ -181,12 +203,18 @@ def plot_memory(run: Run, out: Path) -> Optional[str]:
             ax.plot([m["step"] for m in pts], [m[key] / GiB for m in pts], ".", ms=4, color=f"C{i + 1}",
                     label=f"peak in {phase.replace('_', '+')}")
     if run.plan.get("memory_per_gpu_bytes"):
-        ax.axhline(run.plan["memory_per_gpu_bytes"] / GiB, ls="--", color="k", label="the plan: device memory per rank")
+        ax.axhline(run.plan["memory_per_gpu_bytes"] / GiB, ls="--", color="k",
+                   label="the plan: tensors on one rank's device")
+    if not gpu:
+        # The two lines measure different things: say so where the eye compares them.
+        ax.text(0.01, 0.97, "CPU run: the process's RSS (Python, torch, libraries) against the plan's tensors;\n"
+                "they are not comparable. On GPUs the measure is torch's peak allocated memory.",
+                transform=ax.transAxes, va="top", fontsize=8, color="0.3")
     ax.set_xlabel("step")
     ax.set_ylabel("GiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * (1.35 if not gpu else 1.0))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center right")
     return _save(fig, out / "memory.png")
 
 
@@ -195,11 +223,21 @@ def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
         return None
     fig, (ax,) = _axes(1, 9)
     labels = [str(c["step"]) for c in run.checkpoints]
-    ax.bar(labels, [c["seconds"] for c in run.checkpoints], color="C0", label="save, start to on disk")
-    ax.bar(labels, [c["blocked_s"] for c in run.checkpoints], color="C1", width=0.4, label="training blocked")
+    blocked = [min(c["blocked_s"], c["seconds"]) for c in run.checkpoints]
+    behind = [c["seconds"] - b for c, b in zip(run.checkpoints, blocked)]
+    # Stacked, not overlaid: the bar is the whole save, its lower part the time training waited.
+    ax.bar(labels, blocked, color="C1", label="training blocked")
+    if any(b > 0.05 * c["seconds"] for b, c in zip(behind, run.checkpoints)):
+        ax.bar(labels, behind, bottom=blocked, color="C0", label="written while training went on (async)")
+    stops = {r.get("last_step"): r.get("cause") for r in run.interruptions if r.get("cause") in ("stopped", "preempted")}
+    for i, c in enumerate(run.checkpoints):
+        if c["step"] in stops:  # the save a Ctrl-C or a preemption asked for
+            why = "Ctrl-C" if stops[c["step"]] == "stopped" else "preemption"
+            ax.annotate(f"on {why}", (i, c["seconds"]), ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("checkpoint step")
-    ax.set_ylabel("seconds")
-    ax.legend()
+    ax.set_ylabel("seconds (whole save)")
+    ax.set_ylim(0, max(c["seconds"] for c in run.checkpoints) * 1.4 or 1)
+    ax.legend(loc="upper right", ncols=2)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, out / "checkpoints.png")
 
@@ -236,13 +274,31 @@ def plan_rows(run: Run) -> list[tuple[str, str, str]]:
         rows.append(("MFU", _pct(p.get("mfu")), _pct(statistics.median(mfu) if mfu else None)))
     mem = [m["mem_bytes"] for m in run.metrics if "mem_bytes" in m]
     if p.get("memory_per_gpu_bytes") or mem:
-        rows.append(("memory per rank (GiB)", _num(p["memory_per_gpu_bytes"] / GiB if p.get("memory_per_gpu_bytes") else None),
+        what = "memory per rank (GiB)" if run.plan.get("device") == "gpu" else \
+            "memory per rank (GiB; measured: the process's RSS on CPU, not comparable)"
+        rows.append((what, _num(p["memory_per_gpu_bytes"] / GiB if p.get("memory_per_gpu_bytes") else None),
                      _num(max(mem) / GiB if mem else None)))
     return rows
 
 
 def _num(x) -> str:
-    return "-" if x is None else f"{x:,.4g}"
+    """One style for every number of the page: 16,610 and 3,792 (not 1.661e+04), 0.0398, 12.5."""
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.4g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
+
+
+def _cell(x) -> str:
+    """A table cell: lists joined ("-" when empty), numbers as _num says, None as "-"."""
+    if isinstance(x, (list, tuple)):
+        return ", ".join(map(str, x)) or "-"
+    if isinstance(x, bool) or x is None or x == "":
+        return "-" if x is None or x == "" else str(x)
+    if isinstance(x, (int, float)):
+        return _num(x)
+    return str(x)
 
 
 def _pct(x) -> str:
@@ -277,8 +333,11 @@ def render(run: Run, images: dict[str, str], goodput_text: Optional[str]) -> str
     for name, title in images.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src=\"{html.escape(name)}\" alt=\"{html.escape(title)}\">")
     if run.interruptions:
-        keys = ["attempt", "cause", "ranks", "nodes", "checkpoint_step", "steps_redone", "detect_s", "recover_s"]
-        parts.append("<h2>Interruptions</h2>" + _table(keys, [[r.get(k, "") for k in keys] for r in run.interruptions]))
+        cols = {"attempt": "attempt", "cause": "cause", "ranks": "ranks", "nodes": "nodes",
+                "checkpoint_step": "resumed from step", "steps_redone": "steps redone",
+                "detect_s": "noticed after (s)", "recover_s": "to the next step (s)", "detail": "detail"}
+        parts.append("<h2>Interruptions</h2>" + _table(list(cols.values()),
+                                                        [[_cell(r.get(k)) for k in cols] for r in run.interruptions]))
     if goodput_text:
         parts.append(f"<h2>Goodput</h2><pre>{html.escape(goodput_text)}</pre>")
     style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse}"

@@ -1,0 +1,105 @@
+"""What each plot of the run report must show, read off the matplotlib figure itself (no ranks: a
+hand-made run with a Ctrl-C save and a crash). Each test names the misleading drawing it guards against."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from hpctrain.report import run_report as R
+
+STOP_STEP, CRASH_STEP = 20, 33
+
+
+def made_run(device: str = "cpu", async_save: bool = False) -> R.Run:
+    metrics = []
+    t = 1000.0
+    for step in range(1, 41):
+        t += 0.1 if step not in (STOP_STEP + 1, CRASH_STEP + 1) else 30.0  # a gap at each restart
+        m = {"step": step, "loss": 6.0 * math.exp(-step / 5) + 0.003, "tokens_per_s": 9000.0, "mfu": 0.12,
+             "time": t, "mem_bytes": 3e8, "step_time_s": 0.1, "tokens": 1024 * step}
+        if step % 10 == 0:
+            m["val_loss"] = m["loss"]
+        metrics.append(m)
+    saves = [{"step": s, "seconds": 0.08, "blocked_s": 0.02 if async_save else 0.08, "async": async_save}
+             for s in (10, STOP_STEP, 30, 40)]
+    stops = [{"attempt": 0, "cause": "stopped", "ranks": [], "nodes": [], "last_step": STOP_STEP, "checkpoint_step": STOP_STEP,
+              "failed_at": 1002.0, "first_step_at": 1032.0, "steps_redone": 0, "detect_s": 0.0, "recover_s": 30.0},
+             {"attempt": 1, "cause": "crashed", "ranks": [1], "nodes": ["n1"], "last_step": CRASH_STEP, "checkpoint_step": 30,
+              "failed_at": 1033.5, "first_step_at": 1063.5, "steps_redone": 3, "detect_s": 0.4, "recover_s": 30.0}]
+    return R.Run(Path("run"), metrics, {"device": device, "memory_per_gpu_bytes": 3.5e7, "step_time_s": 0.04},
+                 saves, stops)
+
+
+@pytest.fixture
+def figure(monkeypatch):
+    """The figure a plot function draws, instead of its PNG."""
+    drawn = []
+
+    def keep(fig, path):
+        drawn.append(fig)
+        return path.name
+
+    monkeypatch.setattr(R, "_save", keep)
+    yield lambda: drawn[-1]
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def legend(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_loss_is_on_a_log_scale_with_the_stop_and_the_crash_marked(figure, tmp_path):
+    """Mutants: the old linear axis (the loss after step 10 is a flat line at 0); no restart on the plot."""
+    R.plot_loss(made_run(), tmp_path)
+    by_step = figure().axes[0]
+    assert by_step.get_yscale() == "log" and "log scale" in by_step.get_ylabel()
+    marks = {line.get_xdata()[0] for line in by_step.get_lines() if line.get_linestyle() == ":"}
+    assert marks == {STOP_STEP, CRASH_STEP}
+    assert {"stopped after this step", "crashed after this step"} <= set(legend(by_step))
+
+
+def test_throughput_breaks_at_each_restart_and_names_the_mfu_axis(figure, tmp_path):
+    """Mutants: a line drawn across the restart gap; an MFU axis that reads as a second, missing line."""
+    R.plot_throughput(made_run(), tmp_path)
+    ax = figure().axes[0]
+    ys = ax.get_lines()[0].get_ydata()
+    assert sum(1 for y in ys if math.isnan(y)) == 2
+    assert {"stopped: until the next step", "crashed: until the next step"} <= set(legend(ax))
+    (right,) = ax.child_axes  # the secondary axis
+    assert "the same line" in right.get_ylabel()
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_memory_says_what_a_cpu_run_cannot_show(figure, tmp_path, device):
+    """Mutant: the process's RSS drawn against the plan's device tensors with no word (0.43 GiB vs 0.054)."""
+    R.plot_memory(made_run(device), tmp_path)
+    ax = figure().axes[0]
+    text = " ".join(t.get_text() for t in ax.texts)
+    assert ("not comparable" in text) == (device == "cpu")
+    assert any(("peak RSS" if device == "cpu" else "peak allocated") in x for x in legend(ax))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_bars_stack_blocked_time_under_the_whole_save(figure, tmp_path, async_save):
+    """Mutant: the blocked bar drawn inside the save bar (both read as one). The Ctrl-C's save is named."""
+    R.plot_checkpoints(made_run(async_save=async_save), tmp_path)
+    ax = figure().axes[0]
+    bars = [(p.get_y(), p.get_height()) for p in ax.patches]
+    blocked = 0.02 if async_save else 0.08
+    assert bars[:4] == [(0, pytest.approx(blocked))] * 4
+    if async_save:  # the rest of each save on top, ending at the whole save's time
+        assert [(round(y, 6), round(y + h, 6)) for y, h in bars[4:]] == [(0.02, 0.08)] * 4
+    else:
+        assert len(bars) == 4
+    assert [t.get_text() for t in ax.texts] == ["on Ctrl-C"]
+
+
+def test_the_page_writes_numbers_one_way_and_no_raw_lists():
+    """Mutants: "1.661e+04" beside "3,792"; ranks printed as []."""
+    assert [R._num(x) for x in (16610.0, 3792.0, 0.0398, 12.5, None)] == ["16,610", "3,792", "0.0398", "12.5", "-"]
+    page = R.render(made_run(), {}, None)
+    assert "[]" not in page and "<td>1</td>" in page and "<td>n1</td>" in page and "resumed from step" in page
