@@ -103,3 +103,45 @@ def test_the_page_writes_numbers_one_way_and_no_raw_lists():
     assert [R._num(x) for x in (16610.0, 3792.0, 0.0398, 12.5, None)] == ["16,610", "3,792", "0.0398", "12.5", "-"]
     page = R.render(made_run(), {}, None)
     assert "[]" not in page and "<td>1</td>" in page and "<td>n1</td>" in page and "resumed from step" in page
+
+
+def sweep_rows(with_val: bool) -> list:
+    from hpctrain.report.sweep_report import Row
+
+    out = []
+    for name, final in (("optim.lr=1e-3", 2.31), ("optim.lr=1e-2", 0.0045), ("optim.lr=3e-3", 0.61)):
+        metrics = [{"step": s, "loss": final * (1 + 5 / s)} for s in range(1, 11)]
+        best = final if with_val else None
+        if with_val:
+            metrics[-1]["val_loss"] = final
+        out.append(Row(name, [name], "completed", 10, final, best, best, 10 if with_val else None, 5000.0, metrics))
+    return out
+
+
+@pytest.mark.parametrize("with_val", [True, False])
+def test_sweep_ranks_on_what_it_shows_and_every_element_is_visible(tmp_path, with_val):
+    """Mutants: the table unsorted without validation; a bar axis cut 10% below the smallest value, where
+    the best element (0.0045) had no bar; a legend promising validation dots there are none of."""
+    import matplotlib.pyplot as plt
+
+    from hpctrain.report import sweep_report as S
+
+    rows = sweep_rows(with_val)
+    _, body = S.table(rows)
+    assert [r[0] for r in body] == ["optim.lr=1e-2", "optim.lr=3e-3", "optim.lr=1e-3"]
+    seen = []
+    real = plt.Figure.savefig
+    try:
+        plt.Figure.savefig = lambda fig, *a, **k: seen.append(fig)
+        assert S.plot(rows, tmp_path) == "sweep.png"
+    finally:
+        plt.Figure.savefig = real
+    loss_ax, rank_ax = seen[0].axes
+    assert ("dots: validation" in loss_ax.get_ylabel()) == with_val
+    assert rank_ax.get_xscale() == "log" and "log scale" in rank_ax.get_xlabel()
+    lo, hi = rank_ax.get_xlim()
+    dots = rank_ax.collections[0].get_offsets()
+    assert all(lo < x < hi for x, _ in dots)  # the best element is on the plot
+    best_y = max(y for _, y in dots)
+    assert [t.get_text() for t in rank_ax.get_yticklabels()][list(rank_ax.get_yticks()).index(best_y)] == "optim.lr=1e-2"
+    plt.close("all")

@@ -66,9 +66,24 @@ def _fmt(x, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def score(r: Row) -> Optional[float]:
+    """What elements are ranked by: the best validation loss, else the final training loss."""
+    return r.best_val if r.best_val is not None else r.final_loss
+
+
+def ranked(rs: list[Row]) -> list[Row]:
+    """Best first: by validation loss where every element has one, else by final training loss (never
+    mixing the two); elements with neither last."""
+    if not all(r.best_val is not None for r in rs):
+        key = (lambda r: r.final_loss)
+    else:
+        key = (lambda r: r.best_val)
+    return sorted(rs, key=lambda r: (key(r) is None, key(r) if key(r) is not None else 0.0))
+
+
 def table(rs: list[Row]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows, best validation loss first (elements without one last)."""
-    order = sorted(rs, key=lambda r: (r.best_val is None, r.best_val if r.best_val is not None else 0.0))
+    """Header and rows, best first (ranked)."""
+    order = ranked(rs)
     header = ["element", "status", "steps", "final loss", "final val loss", "best val loss (step)", "tokens/s"]
     body = [[r.name, r.status, str(r.steps), _fmt(r.final_loss), _fmt(r.final_val),
              f"{_fmt(r.best_val)} ({r.best_val_step})" if r.best_val is not None else "-",
@@ -94,20 +109,34 @@ def plot(rs: list[Row], out: Path) -> Optional[str]:
             ax_loss.plot([m["step"] for m in val], [m["val_loss"] for m in val], "o-", color=f"C{i % 10}", label=r.name)
         else:
             ax_loss.plot([], [], color=f"C{i % 10}", label=r.name)
+    any_val = any(r.best_val is not None for r in rs)
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (lines: training, dots: validation)")
-    ax_loss.grid(alpha=0.3)
+    ax_loss.set_ylabel("loss (lines: training, dots: validation)" if any_val else "training loss")
+    if all(m["loss"] > 0 for r in rs for m in r.metrics if "loss" in m):
+        ax_loss.set_yscale("log")
+        ax_loss.set_ylabel(ax_loss.get_ylabel() + ", log scale")
+    ax_loss.grid(alpha=0.3, which="both")
     ax_loss.legend(fontsize=7)
-    names = [r.name for r in rs]
-    ys = [r.best_val if r.best_val is not None else (r.final_loss or 0.0) for r in rs]
-    ax_bar.barh(range(len(rs)), ys, color=[f"C{i % 10}" for i in range(len(rs))])
-    ax_bar.set_yticks(range(len(rs)), names, fontsize=7)
-    ax_bar.set_xlabel("best validation loss (final training loss where no validation)")
-    lo = min(ys) if ys else 0.0
-    ax_bar.set_xlim(left=max(0.0, lo - 0.1 * abs(lo)))
-    for i, r in enumerate(rs):
+    # Which element is best: one dot each, best at the top, on the measure the table ranks by. Dots, not
+    # bars: a bar's length would need an axis from zero, where a loss of 0.0045 has no visible bar.
+    order = [r for r in ranked(rs) if score(r) is not None]
+    by_val = all(r.best_val is not None for r in rs)
+    xs = [r.best_val if by_val else r.final_loss for r in order]
+    colour = {r.name: f"C{i % 10}" for i, r in enumerate(rs)}
+    ys = list(range(len(order)))[::-1]
+    ax_bar.scatter(xs, ys, color=[colour[r.name] for r in order], zorder=3)
+    ax_bar.set_yticks(ys, [r.name for r in order], fontsize=7)
+    log = bool(xs) and min(xs) > 0 and max(xs) / min(xs) > 10
+    if log:
+        ax_bar.set_xscale("log")
+    what = "best validation loss" if by_val else "final training loss (not every element has validation)"
+    ax_bar.set_xlabel(what + (", log scale" if log else "") + "; best at the top")
+    ax_bar.grid(alpha=0.3, which="both")
+    ax_bar.margins(x=0.2, y=0.15)  # room for the tokens/s beside the last dot
+    for x, y, r in zip(xs, ys, order):
         if r.tokens_per_s:
-            ax_bar.text(ys[i], i, f" {r.tokens_per_s:,.0f} tok/s", va="center", fontsize=7)
+            ax_bar.annotate(f"{r.tokens_per_s:,.0f} tok/s", (x, y), xytext=(6, 0), textcoords="offset points",
+                            va="center", fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "sweep.png", dpi=100)
     plt.close(fig)
