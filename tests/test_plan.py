@@ -21,7 +21,7 @@ from hpctrain.core.flops import param_counts
 from hpctrain.plan.memory import (GiB, activations, in_flight, in_flight_with_grads, job_of, layer_activation_bytes,
                                   memory, model_state, stage_memory)
 from hpctrain.plan.verdict import (MEGATRON_H100, calibration, calibration_table, explain, plan, plan_dict,
-                                  save_memory_png, summary)
+                                  save_plan_png, summary)
 from hpctrain.plan.search import Space, evaluate, nearest, search
 from hpctrain.plan.throughput import bubble_divisor, throughput
 
@@ -443,7 +443,7 @@ def test_plan_json_and_png(job70, tmp_path):
         assert key in doc
     assert doc["memory_per_gpu_bytes"] == pytest.approx(sum(doc["memory_breakdown_bytes"].values()))
     pytest.importorskip("matplotlib")
-    out = save_memory_png([("requested", p)], str(tmp_path / "memory.png"))
+    out = save_plan_png([("requested", p)], str(tmp_path / "memory.png"))
     assert os.path.getsize(out) > 1000
 
 

@@ -20,7 +20,7 @@ USAGE = __doc__ + """
   +experiment=70b cluster=h100 cluster.nodes=8    what to plan (any hpctrain override)
   --top N        rows of the ranked table (10)
   --json PATH    write plan.json for the requested layout and the best one
-  --png PATH     bar chart of device memory: the requested layout and the best few
+  --png PATH     the requested layout and the best few: device memory by kind, and tokens/s
   --calibrate    print predicted vs published TFLOP/s for Megatron-LM's H100 table and exit
   --published    predicted vs published throughput on every row of hpctrain/plan/published.csv (fit
                  rows and held-out rows apart, worst and median error), then parallel=auto on a few
@@ -83,10 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {opts['json']}")
     if opts.get("png"):
         plans = [("requested", asked)] if asked else []
-        plans += [(f"#{i} tp{c.job.knobs.layout.tp} pp{c.job.knobs.layout.pp} zero{c.job.knobs.zero} {c.job.knobs.offload} ac {c.job.knobs.ac}",
-                   report.plan(c.job)) for i, c in enumerate(res.ranked[:4], 1)]
+        plans += [(f"#{i}", report.plan(c.job)) for i, c in enumerate(res.ranked[:4], 1)]
         if plans:
-            print(f"wrote {report.save_memory_png(plans, opts['png'])}")
+            print(f"wrote {report.save_plan_png(plans, opts['png'])}")
     return 0 if res.ranked else 1
 
 

@@ -97,14 +97,16 @@ def summary(p: Plan) -> str:
 
 
 def table(cands: list, limit: Optional[float] = None) -> str:
+    unit = "/GPU" if not cands or cands[0].job.cluster.gpus_per_node else "/rank"
     head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
-            f"{'schedule':>12} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {'/GPU':>6} {'TFLOP/s':>7} {'MFU':>5}")
+            f"{'schedule':>12} {'sync':>5} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {unit:>6} {'TFLOP/s':>7} {'MFU':>5}")
     rows = [head]
     for i, c in enumerate(cands, 1):
         k, t = knobs(c.job), c.time
         sched = k["schedule"] + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
         rows.append(f"{i:>3} {k['tp']:>2} {k['pp']:>3} {str(k['dp_replicate']) + 'x' + str(k['dp_shard']):>7} "
                     f"{k['zero']:>4} {k['offload']:>7} {k['ac']:>9} {k['micro_batch']:>2} {sched:>12} "
+                    f"{('step' if k['grad_sync'] == 'step' else 'mb'):>5} "
                     f"{c.memory.device_total / GiB:>7.2f} {t.step_time_s:>7.3g} {t.tokens_per_s:>10,.0f} "
                     f"{t.tokens_per_s / c.job.world:>6,.0f} {t.tflops_per_gpu:>7.3g} {t.mfu:>5.1%}")
     return "\n".join(rows)
@@ -122,14 +124,16 @@ def explain(res: SearchResult, top: int = 10, why: int = 3, request: Optional[Jo
         t, m = c.time, c.memory
         out.append(f"#{i}: {describe(c.job)}\n    time: {_parts(t.breakdown, _seconds, t.step_time_s)}\n"
                    f"    memory {gib(m.device_total)} of {gib(m.device_limit)}: {_parts(m.device, gib)}")
+    refused = res.considered - len(res.ranked)
     if res.failures:
-        out.append("refused:")
+        several = sum(res.failures.values()) > refused
+        out.append(f"refused: {refused} layouts" + (" (some for several reasons, counted under each):" if several else ":"))
         for reason, n in res.failures.most_common():
             ex = res.examples[reason]
             out.append(f"  {n:>6} x {reason}  (e.g. {describe(ex.job)}: {ex.problems[ex.reasons.index(reason)]})")
     if res.near_misses:
-        out.append("closest to fitting:")
-        out += [f"  {describe(c.job)}: {gib(c.memory.device_total)}" for c in res.near_misses]
+        out.append("closest to fitting (each over the device memory by what it says):")
+        out += [f"  {describe(c.job)}: {over(c.memory.device_total, c.memory.device_limit)}" for c in res.near_misses]
     mine = [i for i, c in enumerate(res.ranked, 1) if request is not None and knobs(c.job) == knobs(request)]
     if mine and res.ranked:
         best = res.ranked[0].time.tokens_per_s
@@ -142,8 +146,27 @@ def explain(res: SearchResult, top: int = 10, why: int = 3, request: Optional[Jo
     return "\n".join(out)
 
 
-def save_memory_png(plans: list, path: str) -> str:
-    """Stacked bars of device memory per GPU by kind, one per (label, Plan), against the device size."""
+def over(total: float, limit: float) -> str:
+    """A size above a limit, precise enough never to read as fitting (80.04 of 80.0 GiB is not "80.0")."""
+    return f"{total / GiB:.2f} GiB, {(total - limit) / GiB:.2f} GiB over {limit / GiB:.0f} GiB"
+
+
+def short(job: Job) -> str:
+    """A layout in a few words, every knob that tells two layouts apart (the plot's tick labels)."""
+    k = knobs(job)
+    s = f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']} zero{k['zero']} ac {k['ac']} mb{k['micro_batch']}"
+    if job.knobs.layout.pp > 1:
+        s += f" {job.knobs.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+    if k["grad_sync"] == "step":
+        s += " sync step"
+    if k["offload"] != "none":
+        s += f" offload {k['offload']}"
+    return s
+
+
+def save_plan_png(plans: list, path: str) -> str:
+    """The layouts side by side, in the order given (the ranking): device memory per rank by kind against
+    the device, and predicted tokens/s, the measure they are ranked by. `plans`: (title, Plan) pairs."""
     # optional and heavy (~1 s): only when a plot is asked for
     import matplotlib
 
@@ -153,16 +176,32 @@ def save_memory_png(plans: list, path: str) -> str:
     kinds = []
     for _, p in plans:
         kinds += [k for k in p.memory.device if k not in kinds]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(plans) + 3), 5))
+    unit = words.device(plans[0][1].job.cluster.gpus_per_node)
+    labels = [f"{title}\n{short(p.job)}" for title, p in plans]
+    x = range(len(plans))
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(max(10, 2.6 * len(plans) + 4), 5.2))
     bottom = [0.0] * len(plans)
-    for kind in kinds:
+    colours = plt.get_cmap("tab20").colors  # more kinds than the default cycle's 10 colours
+    for i, kind in enumerate(kinds):
         vals = [p.memory.device.get(kind, 0.0) / GiB for _, p in plans]
-        ax.bar(range(len(plans)), vals, bottom=bottom, label=kind)
+        mem.bar(x, vals, bottom=bottom, label=kind, color=colours[i % len(colours)])
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(plans[0][1].memory.device_limit / GiB, color="k", linestyle="--", label="device memory")
-    ax.set_xticks(range(len(plans)), [label for label, _ in plans], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("GiB per GPU")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    limit = plans[0][1].memory.device_limit / GiB
+    mem.axhline(limit, color="k", linestyle="--", label=f"device memory ({limit:.0f} GiB)")
+    mem.set_ylim(0, max([limit, *bottom]) * 1.12)  # the limit inside the frame, not on it
+    mem.set_ylabel(f"GiB per {unit}")
+    mem.set_title("does it fit? device memory by kind")
+    mem.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    tokens = [p.time.tokens_per_s for _, p in plans]
+    speed.bar(x, tokens, color=["C0" if p.fits else "0.7" for _, p in plans])
+    for i, (t, (_, p)) in enumerate(zip(tokens, plans)):
+        speed.annotate(f"{t:,.0f}" + ("" if p.fits else "\ndoes not fit"), (i, t), ha="center", va="bottom", fontsize=7)
+    speed.set_ylim(0, max(tokens) * 1.2 if tokens else 1)
+    speed.set_ylabel("predicted tokens/s (whole job)")
+    speed.set_title("how fast? the measure layouts are ranked by")
+    for ax in (mem, speed):
+        ax.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
