@@ -12,6 +12,7 @@ import sys
 
 from hpctrain.core import words
 from hpctrain.core.compose import ConfigError, to_yaml
+from hpctrain.checks.cluster_checks import SLURM_LAUNCHERS, partition_facts
 from hpctrain.checks.config_checks import check, compose_checked
 from hpctrain.plan import duration
 from hpctrain.plan.login import plan_one, write_plan
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("---")
             if cfg.launcher.name == "k8s":  # the manifest, checked against the Kubernetes models; nothing written
                 print(preview(cfg), end="")
+            if cfg.launcher.name in SLURM_LAUNCHERS and partition_facts() is None:
+                print("dry run: skipped the partition check a submission makes (no Slurm answers sinfo here): "
+                      "cluster.partition, nodes, GPUs and CPUs per node, and the partition's time limit")
             print("dry run: nothing started, nothing written (python -m hpctrain.plan <overrides> --json PATH "
                   "writes the plan)")
             return 0

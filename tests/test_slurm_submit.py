@@ -109,7 +109,10 @@ def test_partition_problems_from_sinfo_text():
     gpu = ["cluster.partition=gpu", "cluster.cpus_per_task=8"]
     assert partition_problems(local_cfg(*gpu, "cluster.gpus_per_node=8"), parts) == []
     msg = partition_problems(local_cfg(*gpu, "cluster.gpus_per_node=16"), parts)
-    assert "cluster.gpus_per_node=16" in msg[0] and "Fix: cluster.gpus_per_node=8" in msg[0]
+    assert "cluster.gpus_per_node=16" in msg[0] and "Fix: a cluster with 16 GPUs a node, or cluster.gpus_per_node=8" in msg[0]
+    # An 8-GPU job on the default CPU partition: the fix is the partition with the GPUs, never 0 GPUs.
+    msg = partition_problems(local_cfg("cluster.gpus_per_node=8", "cluster.cpus_per_task=8"), parts)
+    assert "no node of cluster.partition=debug has more than 0 GPUs. Fix: cluster.partition=gpu" in msg[0]
     # two nodes hold 8 GPUs; the third only 4
     msg = partition_problems(local_cfg(*gpu, "cluster.gpus_per_node=8", "cluster.nodes=3"), parts)
     assert "only 2 nodes" in msg[0] and "Fix: cluster.nodes=2" in msg[0]

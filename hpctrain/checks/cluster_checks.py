@@ -165,9 +165,13 @@ def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[st
     max_gpus = max((n[1] for n in part.nodes), default=0)
     fitting = sum(1 for n_cpus, n_gpus in part.nodes if n_cpus >= cpus and n_gpus >= gpus)
     if gpus > max_gpus:
-        out.append(f"{task_key} but no node of {key} has more than {max_gpus} GPUs. "
-                   f"Fix: cluster.gpus_per_node={max_gpus}" + (" (or 0 for CPU tasks)" if max_gpus else
-                                                               " and set cluster.tasks_per_node instead"))
+        # The job's GPUs are what it was planned for: a partition that has them is the fix, not fewer GPUs.
+        with_gpus = sorted(n for n, q in partitions.items() if max((g for _, g in q.nodes), default=0) >= gpus)
+        fix = (f"cluster.partition={with_gpus[0]}" + (f" (partitions with {gpus} GPUs a node: {', '.join(with_gpus)})"
+                                                      if len(with_gpus) > 1 else "")
+               if with_gpus else f"a cluster with {gpus} GPUs a node, or cluster.gpus_per_node={max_gpus}"
+               + ("" if max_gpus else " with cluster.tasks_per_node for a CPU run"))
+        out.append(f"{task_key} but no node of {key} has more than {max_gpus} GPUs. Fix: {fix}")
     elif cpus > max_cpus:
         fix_tasks = max(1, max_cpus // max(1, c.cpus_per_task))
         out.append(f"{task_key} x cluster.cpus_per_task={c.cpus_per_task} = {cpus} CPUs per node, but no node "

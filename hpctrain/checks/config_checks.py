@@ -273,9 +273,11 @@ def _container(cfg: Config):
 
 @_check
 def _cluster_partition(cfg: Config):
-    """Slurm launchers, not on a dry run: the partition exists and holds the nodes and tasks asked for.
-    Asks the live cluster (sinfo, with a timeout); skipped where there is no sinfo or it fails."""
-    if cfg.launcher.name not in ("slurm", "sbatch") or cfg.dry_run:
+    """Slurm launchers (a dry run too: it makes every check a submission makes): the partition exists and
+    holds the nodes and tasks asked for. Asks the live cluster (sinfo, with a timeout); skipped where there
+    is no sinfo or it fails (the dry run says so). Never for launcher=local or k8s: their jobs do not go
+    through this Slurm."""
+    if cfg.launcher.name not in cluster_checks.SLURM_LAUNCHERS:
         return
     partitions = cluster_checks.partition_facts()
     if partitions:
