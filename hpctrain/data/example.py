@@ -5,7 +5,7 @@ BPE tokenizer trained on them by the `tokenizers` library.
     python -m hpctrain.data.example OUT [--mb 2] [--vocab 2048]
 
 writes OUT/corpus.jsonl, OUT/tokenizer.json and OUT/tokenizer_config.json; then
-`python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json`.
+`python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json --val-fraction 0.05`.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     print(f"{info['documents']} documents, {info['bytes'] / 1e6:.2f} MB -> {args.out / 'corpus.jsonl'}; "
           f"tokenizer with {info['vocab_size']} ids -> {args.out / 'tokenizer.json'}")
     print(f"next: python -m hpctrain.data.prepare {args.out / 'corpus.jsonl'} {args.out / 'shards'} "
-          f"--tokenizer {args.out / 'tokenizer.json'}")
+          f"--tokenizer {args.out / 'tokenizer.json'} --val-fraction 0.05")  # the README's: 5% of ~2 MB to validate on
     return 0
 
 
