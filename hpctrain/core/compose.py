@@ -163,6 +163,14 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
         value = typed if typed is not None else _quoted(msg)
         return (f"{full_key}: {value!r} is not a valid {expected}. "
                 f"Fix: give {_article(expected)} {expected}, e.g. {full_key}={_example(expected)}")
+    missing = re.search(r"Could not find '([\w-]+)/([^']*)'", msg)
+    if missing and (conf_dir() / missing.group(1)).is_dir():
+        group, name = missing.groups()
+        presets = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        near = difflib.get_close_matches(name, presets, n=1)
+        plus = "+" if group == "experiment" else ""
+        return (f"{plus}{group}={name}: no such preset (conf/{group}/{name}.yaml). Presets of {group}: "
+                f"{', '.join(presets)}. Fix: {plus}{group}={(near or presets)[0]}")
     if "Could not find" in msg or "Could not override" in msg or "Could not load" in msg:
         return msg.split("Config search path")[0].strip()
     if name in ("LexerNoViableAltException", "OverrideParseException") or "missing EQUAL" in msg \
