@@ -35,12 +35,30 @@ def pytest_collection_modifyitems(config, items):
     # (on the scheduler, on a job's time limit, on a hang to be noticed), so they run one after another on
     # one worker, from the start, while the other worker runs the rest; one Slurm is enough for them.
     # Every other file is one unit, so its module fixtures launch their ranks once.
-    def on_slurm(item) -> bool:
-        return item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ())
-
     for item in items:
         item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm(item) else item.path.name))
     items.sort(key=lambda item: not on_slurm(item))
+
+
+def on_slurm(item) -> bool:
+    return item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(scope="session")
+def _sinfo_that_fails(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("no-slurm")
+    (d / "sinfo").write_text("#!/bin/sh\necho 'sinfo: no Slurm here (the test suite outside its Slurm tests)' >&2\n"
+                             "exit 1\n")
+    (d / "sinfo").chmod(0o755)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm_outside_the_slurm_tests(request, _sinfo_that_fails, monkeypatch):
+    """Outside the Slurm tests, no Slurm answers, as on a laptop: a dry run of +experiment=70b (an H100
+    cluster) is not checked against the suite's own 2-node CPU Slurm, which a submission would be."""
+    if not on_slurm(request.node):
+        monkeypatch.setenv("PATH", f"{_sinfo_that_fails}{os.pathsep}{os.environ['PATH']}")
 
 
 @pytest.fixture(autouse=True)

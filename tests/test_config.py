@@ -213,7 +213,7 @@ def test_cli_dry_run_prints_summary_and_writes_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert_mentions(proc.stdout, "model tiny", "459,392", "dp_shard 2", "= 2 ranks",
                     "16 sequences x 64 tokens", "60 steps", f"run dir: {run_dir}", "dry run", "tokens/s",
-                    "memory per GPU", "MFU", "nothing written")
+                    "memory per rank", "MFU", "nothing written")  # a CPU run: no GPU to speak of
     assert not run_dir.exists()
     run_dir.mkdir()
     (run_dir / "plan.json").write_text('{"theirs": 1}')
