@@ -60,6 +60,12 @@ def test_loss_is_on_a_log_scale_with_the_stop_and_the_crash_marked(figure, tmp_p
     marks = {line.get_xdata()[0] for line in by_step.get_lines() if line.get_linestyle() == ":"}
     assert marks == {STOP_STEP, CRASH_STEP}
     assert {"stopped after this step", "crashed after this step"} <= set(legend(by_step))
+    narrow = made_run()
+    for m in narrow.metrics:  # a loss within a factor of 10 (4.6 to 8): a linear axis
+        m["loss"] = 4.6 + 3.4 / m["step"]
+        m.pop("val_loss", None)
+    R.plot_loss(narrow, tmp_path)
+    assert figure().axes[0].get_yscale() == "linear" and figure().axes[0].get_ylabel() == "loss"
 
 
 def test_throughput_breaks_at_each_restart_and_names_the_mfu_axis(figure, tmp_path):

@@ -99,7 +99,10 @@ def plot_loss(run: Run, out: Path) -> Optional[str]:
     if not train:
         return None
     fig, (by_step, by_tokens) = _axes(2)
-    log = all(m["loss"] > 0 for m in train) and all(m["val_loss"] > 0 for m in run.val)
+    losses = [m["loss"] for m in train] + [m["val_loss"] for m in run.val]
+    # A loss falling over decades needs a log axis (a linear one shows only its first steps); one that
+    # stays within a factor of 10 reads better on a linear one.
+    log = min(losses) > 0 and max(losses) / min(losses) > 10
     for ax, x in ((by_step, "step"), (by_tokens, "tokens")):
         ax.plot([m.get(x, m["step"]) for m in train], [m["loss"] for m in train], lw=1, label="training")
         if run.val:
@@ -108,7 +111,7 @@ def plot_loss(run: Run, out: Path) -> Optional[str]:
         if x == "step":
             _mark_interruptions(ax, run)
         ax.set_xlabel(x)
-        if log:  # a falling loss spans decades: a linear axis shows only its first steps
+        if log:
             ax.set_yscale("log")
         ax.set_ylabel("loss (log scale)" if log else "loss")
         ax.grid(alpha=0.3, which="both")
