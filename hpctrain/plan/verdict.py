@@ -97,7 +97,7 @@ def summary(p: Plan) -> str:
 
 
 def table(cands: list, limit: Optional[float] = None) -> str:
-    unit = "/GPU" if not cands or cands[0].job.cluster.gpus_per_node else "/rank"
+    unit = "/" + words.device(cands[0].job.cluster.gpus_per_node if cands else 1)
     head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
             f"{'schedule':>12} {'sync':>5} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {unit:>6} {'TFLOP/s':>7} {'MFU':>5}")
     rows = [head]

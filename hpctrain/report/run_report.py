@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Optional
 
 from hpctrain.core import outdir
-from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, read_jsonl
+from hpctrain.core.rundir import CHECKPOINT_LOG, INTERRUPTIONS, OUTCOME, STOPPED, read_jsonl
 from hpctrain.report import goodput
 
 GiB = 2**30
 # One colour per interruption cause on every plot (matplotlib's default cycle).
 CAUSE_COLOURS = {"crashed": "C3", "hung": "C4", "node_lost": "C5", "unhealthy": "C6", "preempted": "C2",
-                 "stopped": "C8"}
+                 STOPPED: "C8"}
 TOOL = "hpctrain.report"  # the name in the marker of its output directories (run and sweep reports)
 
 
@@ -232,10 +232,10 @@ def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
     ax.bar(labels, blocked, color="C1", label="training blocked")
     if any(b > 0.05 * c["seconds"] for b, c in zip(behind, run.checkpoints)):
         ax.bar(labels, behind, bottom=blocked, color="C0", label="written while training went on (async)")
-    stops = {r.get("last_step"): r.get("cause") for r in run.interruptions if r.get("cause") in ("stopped", "preempted")}
+    stops = {r.get("last_step"): r.get("cause") for r in run.interruptions if r.get("cause") in (STOPPED, "preempted")}
     for i, c in enumerate(run.checkpoints):
         if c["step"] in stops:  # the save a Ctrl-C or a preemption asked for
-            why = "Ctrl-C" if stops[c["step"]] == "stopped" else "preemption"
+            why = "Ctrl-C" if stops[c["step"]] == STOPPED else "preemption"
             ax.annotate(f"on {why}", (i, c["seconds"]), ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("checkpoint step")
     ax.set_ylabel("seconds (whole save)")
