@@ -77,6 +77,15 @@ def test_crash_blames_the_signal_not_its_echoes():
     assert "killed by SIGKILL" in f.detail
 
 
+def test_crash_with_only_echoes_blames_the_rank_that_said_nothing():
+    """Rank 1 killed; rank 0 exits first with an echo, and srun reports rank 1's death only after it began
+    tearing the step down (a Slurm test saw this). Mutant: blaming the echo's rank (the old fallback)."""
+    echo = {0: {"rank": 0, "time": 10.0, "error": "RuntimeError: [pair.cc:534] Read error: Connection reset by peer"}}
+    f = classify(reports(errors=echo), {0: "exit code 1"}, 2, [], 9.0)
+    assert (f.cause, f.ranks, f.nodes) == ("crashed", [1], ["n1"]), f.detail
+    assert f.detail.startswith("rank 1 ended without a word while rank(s) 0 lost their connection")
+
+
 def test_crash_blames_the_earliest_own_error():
     errors = {1: {"rank": 1, "time": 12.0, "error": "RuntimeError: Connection reset by peer"},
               3: {"rank": 3, "time": 11.0, "error": "FileNotFoundError: data/shard-00001.bin"},

@@ -81,7 +81,7 @@ def classify(reports: dict, ended: dict, world: int, lost_nodes: list, last_prog
     hangs = reports["hangs"]
     if hangs or any(how == f"exit code {EXIT_HUNG}" for how in ended.values()):
         return _hang(hangs, hosts, world)
-    return _crash(reports["errors"], ended, hosts, last_progress)
+    return _crash(reports["errors"], ended, hosts, world, last_progress)
 
 
 def _hang(hangs: dict, hosts: dict, world: int) -> Failure:
@@ -118,12 +118,21 @@ def _hang(hangs: dict, hosts: dict, world: int) -> Failure:
                    f"no progress{where}: " + "; ".join(parts), since)
 
 
-def _crash(errors: dict, ended: dict, hosts: dict, last_progress: Optional[float]) -> Failure:
+def _crash(errors: dict, ended: dict, hosts: dict, world: int, last_progress: Optional[float]) -> Failure:
     signalled = [r for r, how in ended.items() if "killed by" in how or "signal" in how.lower()]
     own = {r: e for r, e in errors.items() if not any(echo in e.get("error", "") for echo in ECHOES)}
+    # Every report only echoes a peer's death: the peer is a rank that wrote none (killed before it
+    # could; srun may report its death only after it began tearing the step down, too late to count).
+    silent = [r for r in range(world) if r not in errors] if errors and not own else []
     if signalled:
         r = signalled[0]
         detail = f"rank {r} {ended[r]}"
+        when = last_progress
+    elif silent:
+        r = silent[0]
+        echo = errors[min(errors, key=lambda k: errors[k].get("time", 0))].get("error", "?")
+        detail = (f"rank {r} ended without a word while rank(s) {_ranks(sorted(errors))} lost their connection "
+                  f"to a peer ({echo[:200]})")
         when = last_progress
     elif own or errors:
         pick = own or errors
