@@ -26,11 +26,14 @@ def hf_dir(cfg, out: Path) -> Path:
     from safetensors.torch import save_file
 
     weights = {}
+    arch = hf.architecture(cfg.model)
     for name, p in build_meta(cfg.model, cfg.data.seq_len).named_parameters():
         t = torch.empty(p.shape)
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
         init_param_(name, t, cfg.model, gen)
-        weights[hf.to_hf(name)] = t
+        names = hf.hf_names(name, arch, t.shape[0])
+        # A stacked expert tensor is one tensor per expert in the published layouts.
+        weights.update(zip(names, [e.clone() for e in t.unbind(0)] if hf.is_expert(name) else [t]))
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / hf.CONFIG).write_text(json.dumps(hf.to_config(cfg.model, cfg.data.seq_len)))
@@ -56,14 +59,14 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) ->
     eval.batches x global_batch samples of the validation split, in order."""
     import tempfile
 
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from hpctrain.data import build_dataset
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
-        model = LlamaForCausalLM.from_pretrained(hf_dir(cfg, Path(workdir or d) / "init"), dtype=torch.float32,
-                                                 attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir(cfg, Path(workdir or d) / "init"), dtype=torch.float32,
+                                                     attn_implementation="eager")
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},

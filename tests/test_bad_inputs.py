@@ -72,8 +72,14 @@ BAD_CONFIGS = {
     # the optional whole numbers unchecked: num_key_value_heads=0 silently becomes n_heads
     "kv-heads-zero": ({**GOOD, "num_key_value_heads": 0}, ["num_key_value_heads=0"]),
     "eps-negative": ({**GOOD, "rms_norm_eps": -1}, ["rms_norm_eps=-1"]),
-    # the divisibility check removed: the model is built with hidden 10 = 2 x 4 heads wrong
-    "dim-not-heads-x-head-dim": ({**GOOD, "hidden_size": 10}, ["head_dim 4 x 2 heads != hidden_size 10"]),
+    # the divisibility check removed: without head_dim, hidden 10 over the heads gives no whole head width
+    "dim-not-heads-x-head-dim": (without({**GOOD, "hidden_size": 9}, "head_dim"),
+                                 ["hidden_size 9 is not a multiple of", "no head_dim"]),
+    # the evenness check removed: RoPE pairs channels, an odd head width leaves one unpaired
+    "odd-head-dim": ({**GOOD, "head_dim": 5}, ["head_dim 5 must be even"]),
+    # a Mixtral whose experts are not listed as the first layers: mlp_only_layers [1] cannot be first_dense
+    "mlp-only-not-first": ({**GOOD, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 8, "mlp_only_layers": [1]}, ["mlp_only_layers=[1]", "first_dense"]),
 }
 
 

@@ -1,8 +1,11 @@
-"""Weights in and out of the Hugging Face Llama format (names and shapes in hpctrain.core.hf_format).
+"""Weights in and out of the Hugging Face formats (names and shapes in hpctrain.core.hf_format).
 
 In: `load_hf(parts, path)` fills this rank's parameters (any layout: FSDP2, TP, PP shards, offloaded)
 from a directory of safetensors files with DCP's HuggingFaceStorageReader: every rank plans its reads
 from its own shards and reads only those slices; no tensor is materialized whole anywhere.
+The experts of a Mixture-of-Experts layer, one stacked (experts, ...) tensor here and one tensor per
+expert there, are read the same way by hand: each rank reads the slices of the experts its shard holds
+(safetensors' get_slice).
 
 Out: `export_hf(step_dir, out_dir, dtype)` writes config.json and safetensors files of at most
 `shard_bytes` with their index, from a checkpoint of any layout, one tensor at a time: the headers are
@@ -39,18 +42,51 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOOL = "hpctrain.checkpoint export --format hf"  # the name in the marker of its output directories
 
 
-def load_hf(parts: list, path: str | os.PathLike, tied: bool) -> int:
-    """Load a Hugging Face Llama's weights into this rank's model parts; all ranks call it together.
-    `tied`: the output projection is the embedding (not stored separately). Returns how many tensors
-    this rank loaded."""
-    state = {}
+def load_hf(parts: list, path: str | os.PathLike, model) -> int:
+    """Load a Hugging Face model's weights into this rank's model parts; all ranks call it together.
+    `model`: the ModelConfig (its tied output projection is the embedding, not stored separately).
+    Returns how many tensors this rank loaded."""
+    arch = hf.architecture(model)
+    state, experts = {}, {}
     for part in parts:
         for name, t in get_model_state_dict(part).items():
-            if name == "output.weight" and tied:
+            if name == "output.weight" and model.tie_embeddings:
                 continue  # the embedding is loaded; the output is the same tensor
-            state[hf.to_hf(name)] = t
+            if name.endswith("moe.router.bias"):
+                continue  # the balancing bias starts at zero; no Hugging Face format holds it
+            if hf.is_expert(name):
+                experts[hf.to_hf(name, arch)] = t
+            else:
+                state[hf.to_hf(name, arch)] = t
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path), thread_count=4))
-    return len(state)
+    if experts:
+        _load_experts(experts, Path(path))
+    return len(state) + len(experts)
+
+
+@torch.no_grad()
+def _load_experts(experts: dict, path: Path) -> None:
+    """Fill each stacked expert tensor's local shard from the per-expert tensors ("{e}" in the name)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    where = hf.tensors(path)
+    opened: dict = {}
+    for pattern, t in experts.items():
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        else:
+            local, shape, offset = t, tuple(t.shape), (0,) * t.ndim
+        if local.numel() == 0:
+            continue
+        (e0, r0, c0), (ne, nr, nc) = offset, shape
+        for e in range(e0, e0 + ne):
+            name = pattern.format(e=e)
+            file = path / where[name][2]
+            f = opened.get(file) or opened.setdefault(file, safe_open(str(file), "pt"))
+            local[e - e0].copy_(f.get_slice(name)[r0:r0 + nr, c0:c0 + nc])
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -76,7 +112,10 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     check_files(step_dir, md)
     info = read_info(step_dir)
     model_cfg = model_config(info["config"]["model"])
+    arch = hf.architecture(model_cfg)  # HFError before anything is written when no format holds the model
     names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
+    # The balancing bias shifts which experts are picked; no Hugging Face format here holds it.
+    names = [n for n in names if not n.endswith("moe.router.bias")]
     if model_cfg.tie_embeddings:
         names = [n for n in names if n != "output.weight"]
     order = sorted(names, key=_hf_order)
@@ -85,11 +124,11 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
     shards = _plan_shards(sizes, shard_bytes)
     with outdir.replacing(out_dir, TOOL) as tmp:  # refuses a directory holding files it did not write
-        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards)
+        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch)
 
 
 def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list[str], target: dict,
-           shards: list[list[str]]) -> dict:
+           shards: list[list[str]], arch: str) -> dict:
     """Write the planned safetensors files, their index, config.json and the tokenizer into the new,
     empty directory `out_dir`; returns the index."""
     seq_len = info["config"]["data"]["seq_len"]
@@ -99,10 +138,14 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
         header, offset = {}, 0
         for n in shard:
             shape = list(md.state_dict_metadata[f"model.{n}"].size)
-            nbytes = md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize
-            header[hf.to_hf(n)] = {"dtype": SAFETENSORS_DTYPE[target[n]], "shape": shape,
-                                   "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
+            names = hf.hf_names(n, arch, shape[0])
+            if hf.is_expert(n):
+                shape = shape[1:]  # one tensor per expert, each expert's bytes contiguous in ours
+            nbytes = md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize // len(names)
+            for name in names:
+                header[name] = {"dtype": SAFETENSORS_DTYPE[target[n]], "shape": shape,
+                                "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -114,7 +157,7 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
                                  planner=_EmptyStateDictLoadPlanner(keys={f"model.{n}"}), no_dist=True)
                 t = state["model"][n] if "model" in state else state[f"model.{n}"]
                 f.write(t.detach().to(target[n]).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-                weight_map[hf.to_hf(n)] = fname
+                weight_map.update({name: fname for name in hf.hf_names(n, arch, t.shape[0])})
                 total += t.numel() * target[n].itemsize
                 del t, state
             f.flush()

@@ -147,9 +147,14 @@ def _model(cfg: Config):
     m = cfg.model
     if min(m.dim, m.n_heads, m.n_kv_heads) < 1:
         return
-    if m.dim % m.n_heads:
+    if m.head_dim < 0:
+        yield f"model.head_dim={m.head_dim} must be 0 (dim / n_heads) or a positive even width"
+    elif m.head_dim:
+        if m.head_dim % 2:
+            yield f"model.head_dim={m.head_dim} must be even for rotary embeddings. Fix: model.head_dim={m.head_dim + 1}"
+    elif m.dim % m.n_heads:
         yield (f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. "
-               f"Fix: choose model.n_heads among {_divisors(m.dim)}")
+               f"Fix: choose model.n_heads among {_divisors(m.dim)}, or set model.head_dim")
     elif (m.dim // m.n_heads) % 2:
         yield (f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary embeddings. "
                "Fix: change model.dim or model.n_heads")
@@ -165,6 +170,38 @@ def _model(cfg: Config):
                        f"Fix: choose parallel.tp among {_divisors(getattr(m, key))}")
         if m.ffn_dim % tp:
             yield f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}"
+    if tp > 1 and (m.moe.experts or m.qk_norm):
+        what = "Mixture-of-Experts layers (model.moe.experts > 0)" if m.moe.experts else "model.qk_norm"
+        yield (f"{what} with tensor parallel (parallel.tp={tp}) is not supported yet. Fix: parallel.tp=1; "
+               "split the experts with parallel.ep instead")
+
+
+@_check
+def _moe(cfg: Config):
+    """model.moe.*: sizes and coefficients in range, and at least one block that routes."""
+    e, m = cfg.model.moe, cfg.model
+    if e.experts < 0:
+        yield f"model.moe.experts={e.experts} must be 0 (a dense model) or more"
+    if e.experts <= 0:
+        return
+    if not 1 <= e.top_k <= e.experts:
+        yield (f"model.moe.top_k={e.top_k} must be between 1 and model.moe.experts={e.experts}. "
+               f"Fix: model.moe.top_k={min(max(1, e.top_k), e.experts)}")
+    for key in ("ffn_dim", "shared_experts", "first_dense"):
+        if getattr(e, key) < 0:
+            yield f"model.moe.{key}={getattr(e, key)} must be 0 or more"
+    if e.every < 1:
+        yield f"model.moe.every={e.every} must be 1 or more (1: every block past moe.first_dense routes)"
+    elif e.first_dense >= 0 and not any((i + 1) % e.every == 0 for i in range(e.first_dense, m.n_layers)):
+        yield (f"model.moe.experts={e.experts} but no block routes: with model.n_layers={m.n_layers}, "
+               f"moe.first_dense={e.first_dense} and moe.every={e.every} every block stays dense. "
+               "Fix: lower moe.first_dense or moe.every, or model.moe.experts=0")
+    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"):
+        v = getattr(e, key)
+        if not v >= 0 or v != v or v == float("inf"):
+            yield f"model.moe.{key}={v} must be a finite number, 0 or more (0: off)"
+    if not 0 < e.route_scale < float("inf"):
+        yield f"model.moe.route_scale={e.route_scale} must be a finite number above 0"
 
 
 @_check

@@ -83,7 +83,7 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config
                               "Fix: add model.init_from=<directory with config.json and *.safetensors>")
         try:
             for k, v in hf.model_keys(hf.read_config(cfg.model.init_from)).items():
-                cfg.model[k] = v
+                OmegaConf.update(cfg, f"model.{k}", v, merge=False)
         except (hf.HFError, OmegaConfBaseException) as e:
             raise ConfigError(explain(e, ()) if isinstance(e, OmegaConfBaseException) else str(e)) from None
     if resolve_paths:

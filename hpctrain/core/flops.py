@@ -1,22 +1,38 @@
-"""Parameter counts and FLOPs of a Llama shape, by arithmetic (no weights, no torch)."""
+"""Parameter counts and FLOPs of a Llama shape, dense or Mixture-of-Experts, by arithmetic (no
+weights, no torch)."""
 from __future__ import annotations
 
 
 from hpctrain.core.schema import ModelConfig
+from hpctrain.core.shape import expert_ffn, head_dim as _head_dim, moe_layers
 
 
 def param_counts(m: ModelConfig) -> dict:
-    """Parameters by kind; `total` matches the published Llama 3 counts exactly."""
-    head_dim = m.dim // m.n_heads
-    attn = m.dim * head_dim * (m.n_heads * 2 + m.n_kv_heads * 2)  # wq, wo, wk, wv
-    mlp = 3 * m.dim * m.ffn_dim
+    """Parameters by kind; `total` matches the published Llama 3, Mixtral and Qwen3-MoE counts exactly.
+
+    `active`: the parameters one token's forward uses (the router, top_k routed and the shared experts
+    of each MoE layer; everything else), the count MoE papers publish beside the total. `per_block` is
+    the mean over blocks (dense and MoE blocks differ); `experts`: the routed experts' parameters, the
+    part expert parallelism splits; `moe_layers`: how many blocks route."""
+    hd = _head_dim(m)
+    attn = m.dim * hd * (m.n_heads * 2 + m.n_kv_heads * 2)  # wq, wo, wk, wv
+    attn += 2 * hd if m.qk_norm else 0
     norms = 2 * m.dim
-    per_block = attn + mlp + norms
+    dense_block = attn + 3 * m.dim * m.ffn_dim + norms
+    n_moe = len(moe_layers(m))
+    e, f = m.moe, expert_ffn(m)
+    expert = 3 * m.dim * f
+    shared = e.shared_experts * expert
+    router = e.experts * m.dim
+    moe_block = attn + norms + router + shared + e.experts * expert
+    blocks = (m.n_layers - n_moe) * dense_block + n_moe * moe_block
     embedding = m.vocab_size * m.dim
     output = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    total = embedding + m.n_layers * per_block + m.dim + output
-    return {"total": total, "embedding": embedding, "output": output, "per_block": per_block,
-            "blocks": m.n_layers * per_block, "final_norm": m.dim}
+    total = embedding + blocks + m.dim + output
+    active = total - n_moe * (e.experts - e.top_k) * expert
+    return {"total": total, "active": active, "embedding": embedding, "output": output,
+            "per_block": blocks / m.n_layers if n_moe else dense_block, "blocks": blocks, "final_norm": m.dim,
+            "experts": n_moe * e.experts * expert, "moe_layers": n_moe, "expert": expert}
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -24,9 +40,9 @@ def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores (PaLM's rule,
     as torchtitan reports MFU). The embedding lookup is not a matmul; the output projection is."""
     c = param_counts(m)
-    dense = c["total"] - c["embedding"] + (c["embedding"] if m.tie_embeddings else 0)
-    head_dim = m.dim // m.n_heads
-    return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * head_dim * seq_len
+    # A token's matmuls use the active parameters only: MoE FLOPs come from the routed top_k experts.
+    dense = c["active"] - c["embedding"] + (c["embedding"] if m.tie_embeddings else 0)
+    return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * _head_dim(m) * seq_len
 
 
 def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:
@@ -36,6 +52,7 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: f
     papers report beside MFU (Korthikanti et al. 2022, "Reducing Activation Recomputation").
     last_linear=False: the recompute stops before the block's last linear (w2), as torch's
     non-reentrant checkpoint does, and these are the FLOPs it actually runs."""
-    head_dim = m.dim // m.n_heads
+    c = param_counts(m)
     w2 = 0.0 if last_linear else 2.0 * m.ffn_dim * m.dim
-    return recomputed_blocks * (2.0 * param_counts(m)["per_block"] - w2 + 4.0 * m.n_heads * head_dim * seq_len)
+    active_block = c["per_block"] - (c["experts"] - c["moe_layers"] * m.moe.top_k * c["expert"]) / m.n_layers
+    return recomputed_blocks * (2.0 * active_block - w2 + 4.0 * m.n_heads * _head_dim(m) * seq_len)

@@ -1,4 +1,4 @@
-"""The Hugging Face Llama format, without torch: `config.json` against our model keys, tensor names,
+"""The Hugging Face formats of Llama, Qwen3, Mixtral and Qwen3-MoE, without torch: `config.json` against our model keys, tensor names,
 and the tensors a directory of safetensors files holds (read from their headers).
 
 A safetensors file is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from hpctrain.core.schema import ModelConfig
+from hpctrain.core.shape import expert_ffn, head_dim, moe_layer
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -38,32 +39,94 @@ NAMES = {
     "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Qwen3 and Qwen3-MoE
+    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
+# Mixture-of-Experts layers, by architecture: the router, and each expert's three matrices ({e}: the
+# expert), as the published checkpoints store them (one 2-D tensor per expert and matrix).
+MOE_NAMES = {
+    "mixtral": {"moe.router.weight": "block_sparse_moe.gate.weight",
+                "moe.experts.w1": "block_sparse_moe.experts.{e}.w1.weight",
+                "moe.experts.w2": "block_sparse_moe.experts.{e}.w2.weight",
+                "moe.experts.w3": "block_sparse_moe.experts.{e}.w3.weight"},
+    "qwen3_moe": {"moe.router.weight": "mlp.gate.weight",
+                  "moe.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+                  "moe.experts.w2": "mlp.experts.{e}.down_proj.weight",
+                  "moe.experts.w3": "mlp.experts.{e}.up_proj.weight"},
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class HFError(ValueError):
     """A Hugging Face directory that cannot be used; the message names the file and the fix."""
 
 
-def to_hf(name: str) -> str:
-    """hpctrain's parameter name -> the Hugging Face name."""
+def architecture(m: ModelConfig) -> str:
+    """The Hugging Face model_type that holds a model of these keys (HFError naming what none holds):
+    llama; qwen3 (QK-norm); mixtral (MoE in every layer, softmax top-k renormalised, experts as wide as
+    model.ffn_dim); qwen3_moe (QK-norm, MoE every moe.every-th layer after moe.first_dense)."""
+    e = m.moe
+    if e.experts == 0:
+        return "qwen3" if m.qk_norm else "llama"
+    why = []
+    if e.shared_experts:
+        why.append(f"moe.shared_experts={e.shared_experts}")
+    if e.router != "softmax" or e.bias_update_rate > 0:
+        why.append(f"moe.router={e.router}" + (f" with moe.bias_update_rate={e.bias_update_rate}"
+                                               if e.bias_update_rate > 0 else ""))
+    if e.route_scale != 1.0:
+        why.append(f"moe.route_scale={e.route_scale}")
+    if not why and m.qk_norm:
+        return "qwen3_moe"
+    if not why and e.norm_topk and e.every == 1 and e.first_dense == 0 and (e.ffn_dim or m.ffn_dim) == m.ffn_dim:
+        return "mixtral"
+    if not why:
+        why.append("no QK-norm (Qwen3-MoE has it) and dense layers or experts narrower than model.ffn_dim, or "
+                   "moe.norm_topk=false (Mixtral has neither)")
+    raise HFError("no Hugging Face architecture hpctrain writes holds this model: " + "; ".join(why) +
+                  ". Mixtral and Qwen3-MoE are written; export the weights as one file (--format file) instead")
+
+
+def to_hf(name: str, arch: str = "llama") -> str:
+    """hpctrain's parameter name -> the Hugging Face name (an expert tensor: its `{e}` left to fill)."""
     if name.startswith("layers."):
         i, rest = name[len("layers."):].split(".", 1)
+        if rest.startswith("moe."):
+            return f"model.layers.{i}." + MOE_NAMES[arch][rest]
         return NAMES[f"layers.{{i}}.{rest}"].format(i=i)
     return NAMES[name]
 
 
+def is_expert(name: str) -> bool:
+    """A stacked (experts, ...) tensor that Hugging Face stores as one tensor per expert."""
+    return ".moe.experts." in name
+
+
+def hf_names(name: str, arch: str, experts: int) -> list[str]:
+    """The Hugging Face tensors one of our parameters is stored as: one, or one per expert in order."""
+    out = to_hf(name, arch)
+    return [out.format(e=e) for e in range(experts)] if is_expert(name) else [out]
+
+
 def expected_shapes(m: ModelConfig) -> dict[str, tuple]:
     """Hugging Face name -> shape, for a model config (the tied output projection is not stored)."""
-    hd = m.dim // m.n_heads
-    block = {"attention_norm.weight": (m.dim,), "attention.wq.weight": (m.n_heads * hd, m.dim),
-             "attention.wk.weight": (m.n_kv_heads * hd, m.dim), "attention.wv.weight": (m.n_kv_heads * hd, m.dim),
-             "attention.wo.weight": (m.dim, m.n_heads * hd), "ffn_norm.weight": (m.dim,),
-             "feed_forward.w1.weight": (m.ffn_dim, m.dim), "feed_forward.w3.weight": (m.ffn_dim, m.dim),
+    hd, arch, f = head_dim(m), architecture(m), expert_ffn(m)
+    attention = {"attention_norm.weight": (m.dim,), "attention.wq.weight": (m.n_heads * hd, m.dim),
+                 "attention.wk.weight": (m.n_kv_heads * hd, m.dim), "attention.wv.weight": (m.n_kv_heads * hd, m.dim),
+                 "attention.wo.weight": (m.dim, m.n_heads * hd), "ffn_norm.weight": (m.dim,)}
+    if m.qk_norm:
+        attention.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
+    dense = {"feed_forward.w1.weight": (m.ffn_dim, m.dim), "feed_forward.w3.weight": (m.ffn_dim, m.dim),
              "feed_forward.w2.weight": (m.dim, m.ffn_dim)}
+    moe = {"moe.router.weight": (m.moe.experts, m.dim), "moe.experts.w1": (f, m.dim), "moe.experts.w3": (f, m.dim),
+           "moe.experts.w2": (m.dim, f)}
     out = {to_hf("tok_embeddings.weight"): (m.vocab_size, m.dim), to_hf("norm.weight"): (m.dim,)}
     for i in range(m.n_layers):
-        out.update({to_hf(f"layers.{i}.{k}"): v for k, v in block.items()})
+        block = {**attention, **(moe if moe_layer(m, i) else dense)}
+        for k, shape in block.items():
+            out.update({n: shape for n in hf_names(f"layers.{i}.{k}", arch, m.moe.experts)})
     if not m.tie_embeddings:
         out[to_hf("output.weight")] = (m.vocab_size, m.dim)
     return out
@@ -90,8 +153,8 @@ def read_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise HFError(f"{p} holds a JSON {_json_kind(cfg)}, not an object of keys. Fix: download config.json again")
     arch = cfg.get("model_type")
-    if arch not in ("llama", None):
-        raise HFError(f"{p} describes a {arch!r} model; hpctrain trains Llama models (model_type 'llama')")
+    if arch not in (*ARCHITECTURES, None):
+        raise HFError(f"{p} describes a {arch!r} model; hpctrain trains these model_types: {', '.join(ARCHITECTURES)}")
     _check_config(cfg, str(p))
     return cfg
 
@@ -111,7 +174,8 @@ def _positive(v) -> bool:
 
 # config.json keys -> what each must be; model_keys() reads them.
 _WHOLE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-_OPTIONAL_WHOLE = ("num_key_value_heads", "head_dim")
+_OPTIONAL_WHOLE = ("num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
+                   "moe_intermediate_size", "decoder_sparse_step")
 _OPTIONAL_POSITIVE = ("rms_norm_eps", "rope_theta")
 _LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -155,9 +219,15 @@ def _config_problems(hf: dict) -> list[str]:
     if not out:
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        if head_dim * heads != hf["hidden_size"]:
-            out.append(f"head_dim {head_dim} x {heads} heads != hidden_size {hf['hidden_size']}: hpctrain's Llama "
-                       "needs hidden_size = heads x head_dim")
+        if head_dim * heads != hf["hidden_size"] and hf.get("head_dim") is None:
+            out.append(f"hidden_size {hf['hidden_size']} is not a multiple of {heads} heads and config.json gives "
+                       "no head_dim")
+        if head_dim % 2:
+            out.append(f"head_dim {head_dim} must be even for rotary embeddings")
+        only = hf.get("mlp_only_layers") or []
+        if hf.get("model_type") == "qwen3_moe" and not (isinstance(only, list) and only == list(range(len(only)))):
+            out.append(f"mlp_only_layers={json.dumps(only)[:60]}: hpctrain keeps dense only the first k layers "
+                       "(model.moe.first_dense), so it must be [0, 1, ..., k-1] or empty")
         kv = hf.get("num_key_value_heads") or heads
         if heads % kv:
             out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
@@ -178,7 +248,10 @@ def model_keys(hf: dict) -> dict:
         raise HFError(f"{CONFIG} holds a JSON {_json_kind(hf)}, not an object of keys. Fix: download it again")
     _check_config(hf, CONFIG)
     heads = hf["num_attention_heads"]
+    given_hd = hf.get("head_dim")
     keys = {"dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+            "head_dim": given_hd if given_hd and given_hd * heads != hf["hidden_size"] else 0,
+            "qk_norm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_dim": hf["intermediate_size"],
             "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps") or 1e-5),
             "rope_theta": float(hf.get("rope_theta") or 10000.0),
@@ -195,14 +268,36 @@ def model_keys(hf: dict) -> dict:
                     rope_original_max_seq_len=int(scaling["original_max_position_embeddings"]))
     if hf.get("rope_theta") is None and scaling and scaling.get("rope_theta") is not None:
         keys["rope_theta"] = float(scaling["rope_theta"])
+    keys.update(_moe_keys(hf))
     return keys
 
 
+def _moe_keys(hf: dict) -> dict:
+    """model.moe.* from a Mixtral or Qwen3-MoE config.json, as dotted keys ({} for a dense model)."""
+    kind = hf.get("model_type")
+    if kind == "mixtral":
+        experts, ffn, every, dense = hf.get("num_local_experts") or 8, 0, 1, 0
+        norm = True
+    elif kind == "qwen3_moe":
+        experts, ffn = hf.get("num_experts") or 0, hf.get("moe_intermediate_size") or 0
+        every, norm = hf.get("decoder_sparse_step") or 1, bool(hf.get("norm_topk_prob", False))
+        dense = len(hf.get("mlp_only_layers") or [])  # _config_problems: they are the first layers
+    else:
+        return {}
+    aux = hf.get("router_aux_loss_coef")
+    return {"moe.experts": experts, "moe.top_k": hf.get("num_experts_per_tok") or 2, "moe.ffn_dim": ffn,
+            "moe.every": every, "moe.first_dense": dense, "moe.norm_topk": norm, "moe.router": "softmax",
+            "moe.shared_experts": 0, "moe.route_scale": 1.0,
+            "moe.aux_loss_coef": float(aux) if _positive(aux) else 0.0}
+
+
 def to_config(m: ModelConfig, max_seq_len: int, dtype: str = "float32") -> dict:
-    """config.json for a model config (what transformers' LlamaConfig reads)."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.dim,
+    """config.json for a model config (what transformers' LlamaConfig, Qwen3Config, MixtralConfig or
+    Qwen3MoeConfig reads: architecture() picks)."""
+    arch = architecture(m)
+    cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_size": m.dim,
            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
-           "head_dim": m.dim // m.n_heads, "intermediate_size": m.ffn_dim, "vocab_size": m.vocab_size,
+           "head_dim": head_dim(m), "intermediate_size": m.ffn_dim, "vocab_size": m.vocab_size,
            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "tie_word_embeddings": bool(m.tie_embeddings),
            "max_position_embeddings": max_seq_len, "hidden_act": "silu", "attention_bias": False,
            "mlp_bias": False, "torch_dtype": dtype, "bos_token_id": None, "eos_token_id": None}
@@ -210,6 +305,14 @@ def to_config(m: ModelConfig, max_seq_len: int, dtype: str = "float32") -> dict:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling,
                                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                                "original_max_position_embeddings": m.rope_original_max_seq_len}
+    e = m.moe
+    if arch == "mixtral":
+        cfg.update(num_local_experts=e.experts, num_experts_per_tok=e.top_k, router_aux_loss_coef=e.aux_loss_coef,
+                   output_router_logits=False, router_jitter_noise=0.0)
+    elif arch == "qwen3_moe":
+        cfg.update(num_experts=e.experts, num_experts_per_tok=e.top_k, moe_intermediate_size=expert_ffn(m),
+                   decoder_sparse_step=e.every, mlp_only_layers=list(range(e.first_dense)), norm_topk_prob=e.norm_topk,
+                   router_aux_loss_coef=e.aux_loss_coef, output_router_logits=False)
     return cfg
 
 
@@ -217,7 +320,9 @@ def mismatches(m: ModelConfig, hf_keys: dict) -> list[str]:
     """Our model keys that disagree with the directory's config.json, each with both values."""
     out = []
     for k, v in hf_keys.items():
-        ours = getattr(m, k)
+        ours = m
+        for part in k.split("."):
+            ours = getattr(ours, part)
         same = math.isclose(ours, v, rel_tol=1e-9) if isinstance(v, float) else ours == v
         if not same:
             out.append(f"model.{k}={ours} but config.json says {v}")
@@ -356,8 +461,12 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
         have = tensors(path)
     except HFError as e:
         return [str(e)]
+    try:
+        wanted = expected_shapes(m)
+    except HFError as e:
+        return [f"model.init_from={path}: {e}"]
     out = []
-    for name, shape in expected_shapes(m).items():
+    for name, shape in wanted.items():
         if name not in have:
             out.append(f"{path}: no tensor {name}")
         elif have[name][1] != shape:

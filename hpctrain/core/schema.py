@@ -44,6 +44,51 @@ LauncherName = _choice("LauncherName", "local slurm sbatch k8s")
 WandbMode = _choice("WandbMode", "offline online disabled")
 Backend = _choice("Backend", "auto gloo nccl")
 Device = _choice("Device", "cpu cuda")
+Router = _choice("Router", "softmax sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (model.moe; docs/moe.md). experts=0: a dense model."""
+
+    experts: int = 0
+    """Routed experts in each MoE layer; 0 = no MoE layers (every block has the dense SwiGLU)."""
+    top_k: int = 2
+    """Routed experts each token goes to (1 <= top_k <= experts)."""
+    ffn_dim: int = 0
+    """Hidden width of each routed expert's SwiGLU; 0 = model.ffn_dim."""
+    shared_experts: int = 0
+    """Experts every token goes to (DeepSeek-V3: 1): one SwiGLU of width shared_experts x moe.ffn_dim
+    beside the routed ones."""
+    every: int = 1
+    """Block i (0-based) is an MoE layer when (i + 1) is a multiple of this (Qwen3's
+    decoder_sparse_step) and i >= first_dense; other blocks keep the dense SwiGLU of model.ffn_dim."""
+    first_dense: int = 0
+    """The first this-many blocks stay dense (DeepSeek-V3: 3)."""
+    router: Router = Router("softmax")
+    """softmax: probabilities over all experts, the top_k kept (Mixtral, Qwen3); sigmoid: an independent
+    score per expert (DeepSeek-V3)."""
+    norm_topk: bool = True
+    """Rescale the top_k weights of each token to sum to 1 (Mixtral; Qwen3's norm_topk_prob; DeepSeek-V3)."""
+    route_scale: float = 1.0
+    """Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor, 2.5)."""
+    aux_loss_coef: float = 0.0
+    """Load-balancing loss (Switch Transformer, as transformers' Mixtral computes it, per layer):
+    coef x experts x sum_e f_e P_e, f_e the share of routed slots expert e got (summing to top_k), P_e
+    its mean router probability; summed over MoE layers, added to the training loss's gradient."""
+    z_loss_coef: float = 0.0
+    """Router z-loss (ST-MoE): coef x mean over tokens of logsumexp(router logits)^2, per MoE layer."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores only to pick
+    the top_k, moved after each optimizer step by this much towards balance (+rate for experts below the
+    mean load of the step, -rate above); 0 = off."""
+    capacity_factor: float = 0.0
+    """0 = dropless (every routed slot computed). Else each expert takes at most ceil(capacity_factor x
+    tokens x top_k / experts) tokens of a micro-batch on a rank, in token order; the rest are dropped
+    (their routed output is zero, the residual carries them) and counted in the metrics."""
+    grouped_mm: bool = True
+    """Compute the experts as one grouped GEMM (torch._grouped_mm); false = a loop over experts (the
+    reference). Falls back to the loop where the shapes are not 16-byte aligned."""
 
 
 @dataclass
@@ -55,7 +100,8 @@ class ModelConfig:
     """The model's name in summaries and plans. `hf` (model=hf) reads every shape key below from
     model.init_from's config.json while composing."""
     dim: int = 128
-    """Hidden (embedding) dimension; divisible by n_heads, with an even head dimension dim / n_heads."""
+    """Hidden (embedding) dimension; divisible by n_heads (unless model.head_dim is set), with an even
+    head dimension."""
     n_layers: int = 2
     """Transformer blocks."""
     n_heads: int = 4
@@ -84,6 +130,12 @@ class ModelConfig:
     """Llama 3.1 RoPE scaling: the high frequency factor."""
     rope_original_max_seq_len: int = 8192
     """Llama 3.1 RoPE scaling: the original context length."""
+    head_dim: int = 0
+    """Width of each attention head; 0 = dim / n_heads (Qwen3 sets it apart from dim)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts layers (experts=0: none)."""
     init_from: Optional[str] = None
     """A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
     must agree with the model keys above (`python -m hpctrain.core.hf_format config DIR` prints them)."""

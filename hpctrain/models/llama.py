@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.core.schema import ModelConfig
-
-
-def head_dim(m: ModelConfig) -> int:
-    return m.dim // m.n_heads
+from hpctrain.core.shape import head_dim, moe_layer
+from hpctrain.models.ffn import FeedForward
+from hpctrain.models.moe import MoE, moe_modules
 
 
 def rope_frequencies(a: ModelConfig, device=None) -> torch.Tensor:
@@ -109,6 +108,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * self.head_dim, a.dim, bias=False)
+        # Qwen3: each query and key head normalized before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, a.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, a.norm_eps) if a.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -116,6 +118,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -123,54 +127,23 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up keeping only gate and up for backward (Megatron's fused SwiGLU): autograd of the
-    two ops would also keep silu(gate), one more ffn-wide tensor per token and block. The backward
-    recomputes the sigmoid, in fp32 as torch's own silu backward does."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        g, x, u = grad.float(), gate.float(), up.float()
-        sig = torch.sigmoid(x)
-        d_gate = g * u * (sig * (1 + x * (1 - sig)))
-        d_up = g * (x * sig)
-        return d_gate.to(gate.dtype), d_up.to(up.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # the compiled graph's partitioner decides what to keep
-        return F.silu(gate) * up
-    return _SwiGLU.apply(gate, up)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, a: ModelConfig):
-        super().__init__()
-        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
-
-
 class Block(nn.Module):
-    def __init__(self, a: ModelConfig):
+    """Attention, then a SwiGLU (`feed_forward`) or, in a Mixture-of-Experts layer, experts (`moe`)."""
+
+    def __init__(self, a: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.feed_forward = FeedForward(a)
+        if moe:
+            self.moe = MoE(a)
+        else:
+            self.feed_forward = FeedForward(a)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
@@ -178,7 +151,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config, self.max_seq_len = a, max_seq_len
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleDict({str(i): Block(a) for i in range(a.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(a, moe_layer(a, i)) for i in range(a.n_layers)})
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
@@ -195,7 +168,11 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """The buffers a meta-device model materialized empty: RoPE's tables, the routers' biases
+        (a checkpoint, when resumed from, then loads the biases it saved)."""
         self.rope = rope_tables(self.config, self.max_seq_len, device=device)
+        for moe in moe_modules(self):
+            moe.reset_parameters()
 
 
 @torch.no_grad()
@@ -213,7 +190,7 @@ def init_param_(name: str, t: torch.Tensor, a: ModelConfig, generator: torch.Gen
     elif name == "output.weight":
         std = a.dim ** -0.5
         nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
-    elif leaf[-2] in ("wo", "w2"):
+    elif leaf[-2] in ("wo", "w2") or (leaf[-2] == "experts" and leaf[-1] == "w2"):
         # Residual-branch outputs scaled down with depth (GPT-2 / torchtitan).
         std = a.init_std / math.sqrt(2 * a.n_layers)
         nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)

@@ -10,6 +10,7 @@ import shutil
 from dataclasses import dataclass, field, fields, replace
 
 from hpctrain.core.flops import param_counts
+from hpctrain.core.shape import head_dim
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
 
@@ -225,8 +226,7 @@ def layer_activation_bytes(m: ModelConfig, tokens: int, tp: int, precision: str,
     the residual adds stay fp32, only the matmuls' outputs are bf16; the norms cast their outputs to
     bf16 once, hpctrain.models.llama.RMSNorm, so the linears reading one share it).
     """
-    head_dim = m.dim // m.n_heads
-    kv = m.n_kv_heads * head_dim
+    kv = m.n_kv_heads * head_dim(m)
     pb = BYTES[precision]
     gathered = 2 * m.dim / (tp if (regather and sp) else 1)
     norm_inputs = 2 * m.dim / (tp if sp else 1)
@@ -446,8 +446,7 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     if job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1"):
         return 0.0
     m, tp = job.model, job.knobs.layout.tp
-    head_dim = m.dim // m.n_heads
-    largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim) / tp if sp.layers else 0.0
+    largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim(m)) / tp if sp.layers else 0.0
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
     grad = stream_bytes(job)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
+from hpctrain.core.shape import head_dim
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params, stream_bytes)
@@ -249,7 +250,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     backward) and memory-bound elementwise kernels (forward)."""
     sw = sw or HPCTRAIN
     m, tp, s = job.model, job.knobs.layout.tp, job.knobs.seq_len
-    hd = m.dim // m.n_heads
+    hd = head_dim(m)
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
     # The four linears each sequence-parallel collective pairs with: wq|wk|wv after an all-gather, wo
     # before a reduce-scatter, w1 and w3 after an all-gather, w2 before a reduce-scatter.

@@ -34,6 +34,7 @@ from hpctrain.train.optim import build_optimizer
 from hpctrain.train.preempt import Preemption
 from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.progress import Progress, Schedule
+from hpctrain.train.router_stats import RouterStats
 from hpctrain.train.stragglers import Stragglers
 from hpctrain.core.schema import Config
 from hpctrain.checkpoint.hf_weights import load_hf
@@ -85,6 +86,10 @@ class Trainer:
             zero_group=self.dp_mesh.get_group() if self.spec.data_parallel == "zero1" else None,
             shard_group=self.dp_mesh.get_group() if self.spec.data_parallel == "replicate_zero1" else None)
         self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
+        self.routers = RouterStats(self.parts, cfg.model.moe.experts, cfg.model.moe.bias_update_rate,
+                                   self.dp_mesh.get_group(), self.pp_group)
+        # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
+        self.routers.set_aux_scale(1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
                                    self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
@@ -118,7 +123,7 @@ class Trainer:
         start from model.init_from's weights where given."""
         self.resumed_from = self.ckpt.resume(warn)
         if self.resumed_from is None and self.cfg.model.init_from:
-            load_hf(self.parts, self.cfg.model.init_from, bool(self.cfg.model.tie_embeddings))
+            load_hf(self.parts, self.cfg.model.init_from, self.cfg.model)
             log.info("weights from %s", self.cfg.model.init_from)
 
     # ------------------------------------------------------------ one step
@@ -203,6 +208,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+            self.routers.after_step()
         self.progress.step += 1
         self.progress.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
         # Every data-parallel rank saw different samples: the step's loss is their mean.
@@ -355,13 +361,14 @@ class Trainer:
         if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps and val is None:
             return
         spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
+        routing = self.routers.metrics()  # a collective over the pipeline stages, likewise
         if not logger:
             return
         tps = self.cfg.train.global_batch * self.cfg.data.seq_len / dt
         peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
         logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
-                   tokens=self.progress.tokens_seen, **spread,
+                   tokens=self.progress.tokens_seen, **spread, **routing,
                    **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}),
                    **(extra or {}))
         warning = self.stragglers.warning()

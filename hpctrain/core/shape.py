@@ -1,0 +1,30 @@
+"""What follows from the model keys alone (no torch): the head width, which blocks are
+Mixture-of-Experts layers, the width of an expert. The model, the parameter counts, the Hugging Face
+format and the planner all read these, so each rule lives here once."""
+from __future__ import annotations
+
+from hpctrain.core.schema import ModelConfig
+
+
+def head_dim(m: ModelConfig) -> int:
+    """model.head_dim where set (Qwen3), else dim / n_heads."""
+    return m.head_dim or m.dim // max(1, m.n_heads)
+
+
+def is_moe(m: ModelConfig) -> bool:
+    return m.moe.experts > 0
+
+
+def moe_layer(m: ModelConfig, i: int) -> bool:
+    """Block i (0-based) routes its tokens to experts: past moe.first_dense, every moe.every-th."""
+    e = m.moe
+    return e.experts > 0 and i >= e.first_dense and (i + 1) % max(1, e.every) == 0
+
+
+def moe_layers(m: ModelConfig) -> list[int]:
+    return [i for i in range(m.n_layers) if moe_layer(m, i)]
+
+
+def expert_ffn(m: ModelConfig) -> int:
+    """Hidden width of one routed expert: moe.ffn_dim, or model.ffn_dim when unset."""
+    return m.moe.ffn_dim or m.ffn_dim

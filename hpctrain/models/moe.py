@@ -1,0 +1,258 @@
+"""Mixture-of-Experts feed-forward layer: a router picks top_k of `experts` SwiGLU experts per token.
+
+Like the Llama around it, the layer knows nothing of parallelism. Its pieces are separable so that
+expert parallelism (hpctrain.parallel.expert) can put an all-to-all between them:
+
+    route (router)  ->  permute (tokens sorted by expert)  ->  experts  ->  unpermute (weighted sum)
+
+The experts' weights are three 3-D tensors, expert first, so that a shard along dim 0 is a set of
+whole experts. `Experts` computes them either as one grouped GEMM (`torch._grouped_mm`, which has a
+CPU path for 16-byte-aligned shapes) or as a loop over experts, the reference the grouped path is
+tested against. The balancing losses reach the gradient through `_AuxGrad` (the trick of DeepSeek's
+and Megatron's MoE layers): the output is returned unchanged and the loss's gradient is injected in
+backward, so the losses need no path to the training loss and work on any pipeline stage.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.core.schema import ModelConfig
+from hpctrain.core.shape import expert_ffn
+from hpctrain.models.ffn import FeedForward, swiglu
+
+
+class _AuxGrad(torch.autograd.Function):
+    """Identity on `out`; in backward, d(loss)/d(aux) = scale (the weight of the step's loss that the
+    micro-batch carries), so aux's gradient flows into the router as if added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """torch._grouped_mm's CPU backward refuses a gradient with zero strides (an expanded one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.contiguous()
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and keeps top_k. `bias` (DeepSeek-V3's balancing bias, moved
+    by hpctrain.train.moe_balance outside the gradient) shifts only which experts are picked, never
+    the weights the picked ones get."""
+
+    def __init__(self, a: ModelConfig):
+        super().__init__()
+        e = a.moe
+        self.experts, self.top_k, self.kind = e.experts, e.top_k, str(e.router)
+        self.norm_topk, self.route_scale = e.norm_topk, e.route_scale
+        self.weight = nn.Parameter(torch.empty(e.experts, a.dim))
+        self.register_buffer("bias", torch.zeros(e.experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        """x (tokens, dim) -> (expert index (tokens, top_k), weight (tokens, top_k) fp32, router logits
+        fp32, the probabilities the balancing loss reads (tokens, experts) fp32)."""
+        logits = F.linear(x, self.weight).float()
+        if self.kind == "softmax":
+            scores = probs = logits.softmax(-1)
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        idx = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
+        weight = scores.gather(-1, idx)
+        if self.norm_topk:
+            weight = weight / (weight.sum(-1, keepdim=True) + (1e-20 if self.kind == "sigmoid" else 0.0))
+        return idx, weight * self.route_scale, logits, probs
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.bias)
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm needs every row of its operands to start on a 16-byte boundary."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+class Experts(nn.Module):
+    """`experts` SwiGLU FFNs; w1 (gate) and w3 (up): (experts, ffn, dim), w2 (down): (experts, dim, ffn),
+    the layout of each expert's nn.Linear weights stacked."""
+
+    def __init__(self, a: ModelConfig, experts: int | None = None):
+        super().__init__()
+        e, f = experts if experts is not None else a.moe.experts, expert_ffn(a)
+        self.grouped = bool(a.moe.grouped_mm)
+        self.w1 = nn.Parameter(torch.empty(e, f, a.dim))
+        self.w3 = nn.Parameter(torch.empty(e, f, a.dim))
+        self.w2 = nn.Parameter(torch.empty(e, a.dim, f))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: tokens sorted by expert, `counts[e]` rows for expert e of this module's weights."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.grouped and aligned(x, w1, w2) and x.shape[0] > 0:
+            return grouped_swiglu(x, counts, w1, w2, w3)
+        return looped_swiglu(x, counts, w1, w2, w3)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """Expert parallel holds the weights as DTensors sharded by expert; the compute uses this rank's."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The reference: one SwiGLU per expert over its rows."""
+    out = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        out.append(F.linear(swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e]))
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    offs = counts.cumsum(0).to(torch.int32)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    h = _ContiguousGrad.apply(swiglu(gate, up))
+    return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
+
+
+class Routed:
+    """One micro-batch's routing of its tokens, kept from permute to unpermute."""
+
+    def __init__(self, idx: torch.Tensor, weight: torch.Tensor, experts: int, capacity: int = 0):
+        tokens, k = idx.shape
+        flat = idx.flatten()
+        self.order = torch.argsort(flat, stable=True)  # slot ids sorted by expert, token order within
+        self.counts = torch.bincount(flat, minlength=experts)
+        self.routed = self.counts
+        self.keep = None
+        if capacity:
+            start = self.counts.cumsum(0) - self.counts
+            rank_in_expert = torch.arange(flat.numel(), device=flat.device) - start[flat[self.order]]
+            self.keep = rank_in_expert < capacity
+            self.order = self.order[self.keep]
+            self.counts = self.counts.clamp(max=capacity)
+        self.token = self.order // k
+        self.weight = weight.flatten()[self.order]
+        self.tokens = tokens
+
+    @property
+    def dropped(self) -> int:
+        return int((self.routed - self.counts).sum()) if self.keep is not None else 0
+
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.token]
+
+    def unpermute(self, y: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.tokens, y.shape[-1], dtype=y.dtype, device=y.device)
+        return out.index_add_(0, self.token, (y.float() * self.weight[:, None]).to(y.dtype))
+
+
+def balance_losses(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, top_k: int):
+    """(Switch load-balancing loss, router z-loss) of one micro-batch's tokens, unscaled: experts x
+    sum_e f_e P_e, f_e = routed slots of expert e per token (summing to top_k) and P_e = its mean
+    probability (transformers' load_balancing_loss_func for one layer); mean of logsumexp(logits)^2."""
+    tokens = max(1, logits.shape[0])
+    f = counts.float() / tokens
+    aux = probs.shape[-1] * (f * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    return aux, z
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts) in place of a block's SwiGLU."""
+
+    def __init__(self, a: ModelConfig):
+        super().__init__()
+        e = a.moe
+        self.num_experts, self.top_k = e.experts, e.top_k
+        self.capacity_factor = e.capacity_factor
+        self.aux_coef, self.z_coef = e.aux_loss_coef, e.z_loss_coef
+        self.router = Router(a)
+        self.experts = Experts(a)
+        self.shared = FeedForward(a, e.shared_experts * expert_ffn(a)) if e.shared_experts else None
+        # hpctrain.parallel.expert sets it: tokens then travel to the rank holding their expert.
+        self.dispatcher = None
+        # The weight of one micro-batch in the step's loss (1 / micro-batches; 1 under pipelining,
+        # whose schedule scales the gradients itself): what the balancing losses' gradient is scaled by.
+        self.aux_scale = 1.0
+        self.stats = MoEStats(e.experts)
+
+    def capacity(self, tokens: int) -> int:
+        if self.capacity_factor <= 0:
+            return 0
+        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, weight, logits, probs = self.router(x)
+        routing = Routed(idx, weight, self.num_experts, self.capacity(x.shape[0]))
+        rows = routing.permute(x)
+        if self.dispatcher is None:
+            y = self.experts(rows, routing.counts)
+        else:
+            y = self.dispatcher(self.experts, rows, routing.counts)
+        out = routing.unpermute(y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        aux, z = balance_losses(logits, probs, routing.routed, self.top_k)
+        if self.training and torch.is_grad_enabled():
+            loss = self.aux_coef * aux + self.z_coef * z
+            if loss.requires_grad:
+                out = _AuxGrad.apply(out, loss, self.aux_scale)
+        if self.training:
+            self.stats.record(routing.routed, aux, z, routing.dropped)
+        return out.reshape(shape)
+
+    def reset_parameters(self) -> None:
+        self.router.reset_parameters()
+
+
+class MoEStats:
+    """What the router did over the micro-batches of a step on this rank, for the metrics and the
+    balancing bias: routed slots per expert, balancing losses, dropped slots. Forward passes that
+    activation checkpointing reruns in backward are not counted twice."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.load = None
+        self.aux = self.z = 0.0
+        self.passes = 0
+        self.dropped = 0
+
+    def record(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: int) -> None:
+        if _recomputing():
+            return
+        counts = counts.detach().float()
+        self.load = counts if self.load is None else self.load + counts
+        self.aux += aux.detach()
+        self.z += z.detach()
+        self.passes += 1
+        self.dropped += dropped
+
+
+def _recomputing() -> bool:
+    """True inside a backward pass: activation checkpointing's recompute of a forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def moe_modules(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
