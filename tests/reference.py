@@ -1,7 +1,12 @@
 """The independent reference every layout is compared with: Hugging Face transformers' LlamaForCausalLM
-trained by torch.optim.AdamW, in one process, on the whole global batch at once, with the learning-rate
+(MixtralForCausalLM or Qwen3MoeForCausalLM for a Mixture-of-Experts model) trained by torch.optim.AdamW, in one process, on the whole global batch at once, with the learning-rate
 schedule and the data order written here. None of hpctrain's model, optimizer, schedule or sampler
 code runs in it: a RoPE, norm, attention or optimizer bug in hpctrain would show as a difference.
+
+Mixture-of-Experts: the balancing losses (Switch's load-balancing loss per layer, the router z-loss) are
+written here from the router logits transformers returns, over the same micro-batches the engine sees
+(each train.micro_batch consecutive samples of the step); DeepSeek-V3's sigmoid routing with a balancing
+bias replaces transformers' router by the one written here, and its bias update is written here too.
 
 What is shared is the starting point: hpctrain's initial weights (generated per parameter name, as
 every layout does) reach transformers through hpctrain's Hugging Face export (`hf_dir`), which is
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,7 +32,10 @@ def hf_dir(cfg, out: Path) -> Path:
     from safetensors.torch import save_file
 
     weights = {}
-    arch = hf.architecture(cfg.model)
+    # DeepSeek-V3's sigmoid routing has no format here: its weights go in Mixtral's (route_by_sigmoid
+    # then swaps transformers' router).
+    written = replace(cfg.model, moe=replace(cfg.model.moe, router="softmax", bias_update_rate=0.0))
+    arch = hf.architecture(written)
     for name, p in build_meta(cfg.model, cfg.data.seq_len).named_parameters():
         t = torch.empty(p.shape)
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -36,7 +45,7 @@ def hf_dir(cfg, out: Path) -> Path:
         weights.update(zip(names, [e.clone() for e in t.unbind(0)] if hf.is_expert(name) else [t]))
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / hf.CONFIG).write_text(json.dumps(hf.to_config(cfg.model, cfg.data.seq_len)))
+    (out / hf.CONFIG).write_text(json.dumps(hf.to_config(written, cfg.data.seq_len)))
     return out
 
 
@@ -67,6 +76,8 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) ->
     with tempfile.TemporaryDirectory() as d:
         model = AutoModelForCausalLM.from_pretrained(hf_dir(cfg, Path(workdir or d) / "init"), dtype=torch.float32,
                                                      attn_implementation="eager")
+    moe = cfg.model.moe
+    biases = route_by_sigmoid(model, moe.top_k) if moe.experts and moe.router == "sigmoid" else None
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -81,13 +92,22 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) ->
         x, y = rows[:, :-1], rows[:, 1:]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o, total)
-        logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
+        out = model(input_ids=x, **({"output_router_logits": True} if moe.experts else {}))
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+        balance = 0.0
+        if moe.experts:
+            balance = balancing_loss(out.router_logits, biases, moe, B // cfg.train.micro_batch)
+        (loss + balance).backward()
         clip = o.grad_clip if o.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad()
+        if biases is not None and moe.bias_update_rate > 0:
+            with torch.no_grad():
+                for logits, bias in zip(out.router_logits, biases):
+                    load = torch.bincount(torch.topk(logits.float().sigmoid() + bias, moe.top_k, -1).indices.flatten(),
+                                          minlength=moe.experts).float()
+                    bias += moe.bias_update_rate * torch.sign(load.mean() - load)
         losses.append(loss.item())
         norms.append(norm.item())
     val_data = build_dataset(cfg, "val")
@@ -96,3 +116,44 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) ->
         logits = model(input_ids=rows[:, :-1]).logits
         val = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
     return {"loss": losses, "grad_norm": norms, "val": val}
+
+
+def route_by_sigmoid(model, top_k: int) -> list:
+    """Replace each transformers router's softmax by DeepSeek-V3's routing: a sigmoid score per expert,
+    the top_k picked on score + bias, their scores renormalised as the weights. Returns the biases."""
+    import torch.nn.functional as F
+
+    biases = []
+    for router in (m for m in model.modules() if type(m).__name__.endswith("TopKRouter")):
+        bias = torch.zeros(router.weight.shape[0])
+
+        def forward(h, router=router, bias=bias):
+            logits = F.linear(h.reshape(-1, router.weight.shape[1]), router.weight)
+            scores = logits.float().sigmoid()
+            idx = torch.topk(scores + bias, top_k, dim=-1).indices
+            w = scores.gather(-1, idx)
+            return logits, (w / (w.sum(-1, keepdim=True) + 1e-20)).to(logits.dtype), idx
+
+        router.forward = forward
+        biases.append(bias)
+    return biases
+
+
+def balancing_loss(router_logits, biases, moe, chunks: int) -> torch.Tensor:
+    """Sum over MoE layers of aux_loss_coef x the Switch load-balancing loss + z_loss_coef x the z-loss,
+    each the mean over the step's micro-batches (`chunks` of consecutive tokens) of its value on one."""
+    total = torch.zeros(())
+    for i, logits in enumerate(router_logits):
+        for part in logits.float().chunk(chunks):
+            if moe.router == "sigmoid":
+                scores = part.sigmoid()
+                probs = scores / scores.sum(-1, keepdim=True)
+                picked = torch.topk(scores + biases[i], moe.top_k, -1).indices
+            else:
+                probs = part.softmax(-1)
+                picked = torch.topk(probs, moe.top_k, -1).indices
+            share = torch.bincount(picked.flatten(), minlength=moe.experts).float() / part.shape[0]
+            aux = moe.experts * (share * probs.mean(0)).sum()
+            z = torch.logsumexp(part, -1).pow(2).mean()
+            total = total + (moe.aux_loss_coef * aux + moe.z_loss_coef * z) / chunks
+    return total

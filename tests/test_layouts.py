@@ -34,8 +34,16 @@ UNEVEN_BLOCKS = {UNEVEN: [[0, 1], [2]],
                  f"{UNEVEN} parallel.pp_schedule=zbv": [[0], [1, 2]],
                  f"{UNEVEN} parallel.pp_schedule=interleaved_1f1b parallel.pp_layers=[0,2,1,0]": [[2], [0, 1]],
                  f"{UNEVEN} parallel.pp_schedule=dualpipev parallel.pp_layers=[0,1,1,1]": [[2], [0, 1]]}
+# Mixture-of-Experts (transformers' Mixtral and Qwen3-MoE as the reference): both balancing losses on, and
+# DeepSeek-V3's sigmoid routing with its balancing bias (a rate that changes the losses by ~1e-3 by step 3).
+MOE = "model.moe.experts=4 model.moe.aux_loss_coef=0.01 model.moe.z_loss_coef=0.001"
+QWEN3_MOE = ("model.moe.experts=4 model.moe.ffn_dim=64 model.qk_norm=true model.head_dim=16 model.moe.every=2 "
+             "model.moe.aux_loss_coef=0.01")
+AUX_FREE = "model.moe.experts=4 model.moe.router=sigmoid model.moe.bias_update_rate=0.01"
 LAYOUTS = {
-    2: ["parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
+    1: [MOE, f"{MOE} model.moe.grouped_mm=false", QWEN3_MOE, AUX_FREE],
+    2: [f"{MOE} parallel.zero=3", f"{MOE} parallel.zero=3 parallel.ac=full", f"{AUX_FREE} parallel.zero=2",
+        f"{MOE} parallel.pp=2 parallel.dp_shard=1", f"{QWEN3_MOE} parallel.zero=0","parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         # TP keeping its gathered sequence-parallel inputs for backward (the default re-gathers them)
         "parallel.tp=2 parallel.dp_shard=1 parallel.sp_regather=false",
