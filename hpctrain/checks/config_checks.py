@@ -21,7 +21,7 @@ from hpctrain.core.hf_format import problems as hf_problems
 POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log_every",
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
             "model.vocab_size", "data.seq_len", "launcher.nproc", "checkpoint.keep",
-            "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
+            "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages", "parallel.ep",
             "cluster.nodes", "eval.batches")
 
 CHECKS: list[Callable[[Config], Iterator[str]]] = []
@@ -174,6 +174,29 @@ def _model(cfg: Config):
         what = "Mixture-of-Experts layers (model.moe.experts > 0)" if m.moe.experts else "model.qk_norm"
         yield (f"{what} with tensor parallel (parallel.tp={tp}) is not supported yet. Fix: parallel.tp=1; "
                "split the experts with parallel.ep instead")
+
+
+@_check
+def _expert_parallel(cfg: Config):
+    """parallel.ep: a split of dp_shard over whole experts, on FSDP2."""
+    p, e = cfg.parallel, cfg.model.moe
+    if p.ep <= 1:
+        return
+    if e.experts <= 0:
+        yield (f"parallel.ep={p.ep} splits Mixture-of-Experts layers, but the model has none (model.moe.experts=0). "
+               "Fix: parallel.ep=1, or a MoE model (e.g. model=moe_tiny)")
+        return
+    if e.experts % p.ep:
+        yield (f"model.moe.experts={e.experts} is not divisible by parallel.ep={p.ep}: each ep rank holds whole "
+               f"experts. Fix: choose parallel.ep among {_divisors(e.experts)}")
+    dp_shard = layout_of(cfg).dp_shard
+    if dp_shard >= 1 and dp_shard % p.ep:
+        yield (f"parallel.ep={p.ep} does not divide parallel.dp_shard={dp_shard}: expert parallel splits the "
+               f"data-parallel shard group. Fix: choose parallel.ep among {_divisors(dp_shard)}")
+    if p.zero < 2 and not p.auto:
+        yield (f"parallel.ep={p.ep} with parallel.zero={p.zero}: expert parallel runs on FSDP2, whose gradient "
+               "reduction knows the experts are split (DDP would average different experts' gradients). "
+               "Fix: parallel.zero=2 or 3")
 
 
 @_check

@@ -31,6 +31,7 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1  # expert parallel: a split of dp_shard (its ranks see different data too)
 
     @property
     def world(self) -> int:
@@ -42,7 +43,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def describe(self) -> str:
-        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{ep} "
                 f"x tp {self.tp} = {self.world} ranks")
 
 
@@ -222,7 +224,7 @@ def layout_of(cfg: Config, world: Optional[int] = None) -> Layout:
     if dp_shard == -1:
         rest = p.pp * p.dp_replicate * p.tp
         dp_shard = world // rest if rest > 0 and world % rest == 0 else 0
-    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp)
+    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, ep=p.ep)
 
 
 def data_parallel(zero: int, dp: int, tp: int = 1, pp: int = 1) -> str:

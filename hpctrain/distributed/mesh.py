@@ -1,25 +1,49 @@
-"""One DeviceMesh for every parallel dimension, TP innermost so it stays inside a node."""
+"""One DeviceMesh for every parallel dimension, TP innermost so it stays inside a node.
+
+With expert parallel, dp_shard is itself two dimensions, (efsdp, ep): the ep ranks of a group split
+each MoE layer's experts and the efsdp groups shard each expert's weights, as FSDP2 wants (the
+experts' DTensor mesh and the mesh FSDP shards them over must come from one root mesh). dp_shard is
+then the flattened pair, so the dense parameters, data order and everything else see the same
+ranks in the same order as without expert parallel.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from torch.distributed.device_mesh import init_device_mesh
 
 from hpctrain.core.spec import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 
 
 @dataclass
 class Meshes:
-    world: object  # the 4-D DeviceMesh
+    world: object  # the DeviceMesh of every dimension
     dp: object  # every data-parallel rank as one dimension (loss and token reductions, DDP)
     fsdp: object  # what FSDP shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP
+    ep: Optional[object] = None  # expert parallel: the ranks that split each MoE layer's experts
+    efsdp: Optional[object] = None  # what FSDP shards each expert's weights over (HSDP: with dp_replicate)
 
 
 def build_mesh(layout: Layout, device_type: str) -> Meshes:
+    if layout.ep > 1:
+        return _expert_mesh(layout, device_type)
     shape = tuple(getattr(layout, d) for d in DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     dp = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     fsdp = mesh[("dp_replicate", "dp_shard")] if layout.dp_replicate > 1 else mesh["dp_shard"]
     return Meshes(world=mesh, dp=dp, fsdp=fsdp)
+
+
+def _expert_mesh(layout: Layout, device_type: str) -> Meshes:
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_DIMS)
+    mesh[("efsdp", "ep")]._flatten("dp_shard")
+    dp = mesh[("dp_replicate", "efsdp", "ep")]._flatten("dp")
+    hsdp = layout.dp_replicate > 1
+    fsdp = mesh[("dp_replicate", "dp_shard")] if hsdp else mesh["dp_shard"]
+    efsdp = mesh[("dp_replicate", "efsdp")] if hsdp else mesh["efsdp"]
+    return Meshes(world=mesh, dp=dp, fsdp=fsdp, ep=mesh["ep"], efsdp=efsdp)

@@ -52,6 +52,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (expert parallel: see hpctrain.parallel.expert)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class Router(nn.Module):
     """Scores every expert for every token and keeps top_k. `bias` (DeepSeek-V3's balancing bias, moved
     by hpctrain.train.moe_balance outside the gradient) shifts only which experts are picked, never
@@ -97,6 +110,7 @@ class Experts(nn.Module):
         super().__init__()
         e, f = experts if experts is not None else a.moe.experts, expert_ffn(a)
         self.grouped = bool(a.moe.grouped_mm)
+        self.grad_scale = 1.0  # expert parallel sets 1/ep
         self.w1 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w3 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w2 = nn.Parameter(torch.empty(e, a.dim, f))
@@ -104,6 +118,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert, `counts[e]` rows for expert e of this module's weights."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if self.grouped and aligned(x, w1, w2) and x.shape[0] > 0:
             return grouped_swiglu(x, counts, w1, w2, w3)
         return looped_swiglu(x, counts, w1, w2, w3)

@@ -1,5 +1,5 @@
 """Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> activation checkpointing -> sequence-parallel re-gather -> compile
+pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> sequence-parallel re-gather -> compile
 -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
@@ -16,6 +16,7 @@ from torch import nn
 
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from hpctrain.parallel.expert import apply_ep
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
 from hpctrain.parallel.regather import apply_sp_regather
@@ -53,6 +54,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
     for part in parts:
         if spec.layout.tp > 1:
             apply_tp(part, meshes.world["tp"])
+        if spec.layout.ep > 1:
+            apply_ep(part, meshes.ep)
         if spec.ac != "none":
             apply_ac(part, spec.ac, spec.ac_every)
         if spec.sp_regather:
@@ -64,7 +67,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_fsdp(part, meshes.fsdp, param_dtype=getattr(torch, spec.dtypes.param),
                        reduce_dtype=getattr(torch, spec.dtypes.reduce),
                        reshard_after_forward=spec.sharding.reshard_after_forward, host_params=host,
-                       pin_memory=host and device.type == "cuda" and pin_memory)
+                       pin_memory=host and device.type == "cuda" and pin_memory, expert_mesh=meshes.efsdp)
             init(part, param_device=torch.device("cpu") if host else None)
         elif spec.data_parallel in ("replicate", "replicate_zero1"):
             apply_replicate(part, meshes.dp)

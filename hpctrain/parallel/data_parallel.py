@@ -9,10 +9,16 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.models.moe import moe_modules
+
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: bool = True, host_params: bool = False, pin_memory: bool = False) -> nn.Module:
+               reshard_after_forward: bool = True, host_params: bool = False, pin_memory: bool = False,
+               expert_mesh=None) -> nn.Module:
     """Shard every block, then the root (embeddings, final norm, output).
+
+    `expert_mesh` (expert parallel): each MoE layer's experts, already split over the ep ranks, are
+    sharded over these ranks (what ep leaves of dp_shard) as a unit of their own, before their block.
 
     `host_params` (optimizer offload): the sharded fp32 parameters and their gradients live in host
     memory. FSDP2 then copies each block's reduced gradient shard to the host as soon as its
@@ -27,7 +33,11 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
         return model
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        if expert_mesh is not None:
+            for moe in moe_modules(block):
+                fully_shard(moe.experts, reshard_after_forward=reshard, **{**kw, "mesh": expert_mesh})
+        fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
 

@@ -55,16 +55,26 @@ class Outcome:
 def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """The global gradient norm over every shard on every mesh dimension (data, tensor, and the
     pipeline stages of other ranks); clips in place when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # sums squares over the data and tensor dimensions
+    # DTensors of different meshes (expert parallel's experts beside the dense weights) cannot share
+    # one foreach kernel: one norm per mesh, combined.
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    sq = None
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sums squares over the data, tensor and expert dimensions
+        sq = norm.float() ** 2 if sq is None else sq + norm.float() ** 2
+    if sq is None:
+        sq = torch.zeros((), device=params[0].device if params else "cpu")
     if pp_group is not None:
-        sq = norm.float() ** 2
         dist.all_reduce(sq, group=pp_group)  # each stage holds different parameters
-        norm = sq.sqrt()
+    norm = sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 
