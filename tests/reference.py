@@ -63,9 +63,10 @@ def reference_losses(cfg, steps: int | None = None, workdir: Path | None = None)
     return run["loss"], run["grad_norm"]
 
 
-def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) -> dict:
+def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, init_dir: Path | None = None) -> dict:
     """{"loss", "grad_norm"} per step, and "val": the mean loss after the last step on the first
-    eval.batches x global_batch samples of the validation split, in order."""
+    eval.batches x global_batch samples of the validation split, in order. `init_dir`: start from this
+    Hugging Face directory's weights instead of hpctrain's initial ones."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -74,8 +75,8 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None) ->
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir(cfg, Path(workdir or d) / "init"), dtype=torch.float32,
-                                                     attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(init_dir or hf_dir(cfg, Path(workdir or d) / "init"),
+                                                     dtype=torch.float32, attn_implementation="eager")
     moe = cfg.model.moe
     biases = route_by_sigmoid(model, moe.top_k) if moe.experts and moe.router == "sigmoid" else None
     o = cfg.optim

@@ -14,6 +14,7 @@ torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any la
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.safe import DamagedCheckpoint, SafeReader, check_files, read_metadata
 from hpctrain.checkpoint.hf_weights import export_hf
+from hpctrain.core import hf_format as hf
 from hpctrain.core.outdir import OutputDirError
 
 
@@ -123,14 +125,14 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="a checkpoint's weights as one safetensors file, or a Hugging Face "
                        "directory (--format hf)", description="Consolidate a sharded checkpoint's weights: one "
-                       "safetensors file (--format file), or a Hugging Face Llama directory that transformers "
+                       "safetensors file (--format file), or a Hugging Face directory that transformers "
                        "loads (--format hf: config.json, safetensors shards and their index).")
     e.add_argument("step_dir", type=Path, help="a complete checkpoint: RUN_DIR/checkpoints/step-NNNNNNNN")
     e.add_argument("out", type=Path, help="the file (--format file) or new directory (--format hf) to write")
     e.add_argument("--dtype", choices=("keep", "bf16", "fp32", "fp16"), default="keep",
                    help="the weights' type in the output; keep: as trained (default: %(default)s)")
     e.add_argument("--format", choices=("file", "hf"), default="file",
-                   help="file: one safetensors file; hf: a Hugging Face Llama directory (default: %(default)s)")
+                   help="file: one safetensors file; hf: a Hugging Face directory (Llama, Qwen3, Mixtral, Qwen3-MoE) (default: %(default)s)")
     e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file, GB (default: %(default)s)")
     ls = sub.add_parser("list", help="complete checkpoints of a run: step, save time, world size, tokens",
                         description="The complete checkpoints of a run, oldest first: step, save time, world "
@@ -154,11 +156,12 @@ def main(argv=None) -> int:
         if args.format == "hf":
             index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
             files = sorted(set(index["weight_map"].values()))
-            print(f"wrote a Hugging Face Llama: {len(index['weight_map'])} tensors, "
+            arch = json.loads((args.out / hf.CONFIG).read_text())["architectures"][0]
+            print(f"wrote a Hugging Face {arch}: {len(index['weight_map'])} tensors, "
                   f"{index['metadata']['total_size'] / 1e9:.3f} GB in {len(files)} file(s) -> {args.out}")
             return 0
         flat = export(args.step_dir, args.out, args.dtype)
-    except (DamagedCheckpoint, OutputDirError) as err:
+    except (DamagedCheckpoint, OutputDirError, hf.HFError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in flat.values())

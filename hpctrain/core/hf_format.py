@@ -279,7 +279,9 @@ def _moe_keys(hf: dict) -> dict:
         experts, ffn, every, dense = hf.get("num_local_experts") or 8, 0, 1, 0
         norm = True
     elif kind == "qwen3_moe":
-        experts, ffn = hf.get("num_experts") or 0, hf.get("moe_intermediate_size") or 0
+        # Published config.json files say num_experts; transformers 5 writes num_local_experts.
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        ffn = hf.get("moe_intermediate_size") or 0
         every, norm = hf.get("decoder_sparse_step") or 1, bool(hf.get("norm_topk_prob", False))
         dense = len(hf.get("mlp_only_layers") or [])  # _config_problems: they are the first layers
     else:

@@ -1,0 +1,309 @@
+"""Mixture-of-Experts: the presets' parameter counts against the published ones; the grouped GEMM against
+the per-expert loop; the routers against routing written here; Hugging Face round trips through
+transformers' MixtralForCausalLM and Qwen3MoeForCausalLM; resume across expert-parallel sizes. (Training
+numerics of every MoE layout against transformers: tests/test_layouts.py.)"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.core import hf_format as hf
+from hpctrain.core.compose import compose
+from hpctrain.core.flops import param_counts
+from hpctrain.core.schema import ModelConfig, MoEConfig
+from hpctrain.launch.local import launch
+from hpctrain.train.metrics import read_metrics
+
+from helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+# Published totals and active parameters, and the unit of their last digit: the cards round or cut
+# (Qwen3-30B-A3B's 3.35B active is published as 3.3B), so a count within one unit is the published one.
+PUBLISHED = {
+    "mixtral_8x7b": (46.7e9, 12.9e9, 0.1e9),  # Mixtral of Experts (Jiang et al. 2024): 46.7B total, 12.9B active
+    "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.1e9),  # Qwen3 model card: 30.5B total, 3.3B activated
+    "qwen3_235b_a22b": (235e9, 22e9, 1e9),  # Qwen3 model card: 235B total, 22B activated
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_the_published_parameter_counts(name):
+    total, active, rounding = PUBLISHED[name]
+    c = param_counts(compose(["+experiment=tiny", f"model={name}"]).model)
+    assert abs(c["total"] - total) <= rounding and abs(c["active"] - active) <= rounding, (c["total"], c["active"])
+
+
+def test_deepseek_v3_sized_preset_is_within_half_a_percent_of_the_published_counts():
+    # Standard attention in place of MLA (docs/moe.md): 671B total, 37B active in the report.
+    c = param_counts(compose(["+experiment=tiny", "model=deepseek_v3"]).model)
+    assert abs(c["total"] / 671e9 - 1) < 0.005 and abs(c["active"] / 37e9 - 1) < 0.005, (c["total"], c["active"])
+
+
+def test_parameter_counts_equal_the_built_model():
+    """The arithmetic (the planner's) against the module (every kind of block: dense, MoE, shared)."""
+    from hpctrain.models.llama import build_meta, count_params
+
+    m = ModelConfig(n_layers=4, qk_norm=True, head_dim=16,
+                    moe=MoEConfig(experts=6, top_k=2, ffn_dim=48, shared_experts=1, first_dense=1, every=1))
+    assert param_counts(m)["total"] == count_params(build_meta(m, 32))
+    a = param_counts(m)
+    # One token uses the router, 2 of 6 routed and the shared expert of each of the 3 MoE blocks.
+    assert a["total"] - a["active"] == 3 * 4 * 3 * 128 * 48
+
+
+# ------------------------------------------------------------------------- the layer, one process
+
+def _moe(**moe) -> "torch.nn.Module":
+    from hpctrain.models.moe import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(dim=32, moe=MoEConfig(**{"experts": 4, "top_k": 2, "ffn_dim": 16, **moe})))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    layer.router.bias.zero_()
+    return layer
+
+
+@pytest.mark.parametrize("capacity", [0.0, 0.75])
+def test_grouped_gemm_equals_the_per_expert_loop(capacity):
+    """Forward and every gradient; with a capacity factor some slots are dropped on both paths alike.
+    Mutant caught: grouped offsets off by one expert, a transposed weight, capacity applied on one path."""
+    x = torch.randn(2, 24, 32)
+    out, grads = [], []
+    for grouped in (True, False):
+        layer = _moe(capacity_factor=capacity, grouped_mm=grouped)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        out.append(y.detach())
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+        if capacity:
+            assert layer.stats.dropped > 0
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unaligned_shapes_fall_back_to_the_loop():
+    from hpctrain.models.moe import aligned
+
+    assert not aligned(torch.empty(3, 15)) and aligned(torch.empty(3, 16)) and aligned(torch.empty(3, 8, dtype=torch.bfloat16))
+    layer = _moe(ffn_dim=15)  # 60-byte rows: torch._grouped_mm refuses them
+    layer(torch.randn(1, 8, 32)).sum().backward()
+
+
+def test_sigmoid_router_picks_on_score_plus_bias_and_weights_by_score():
+    """DeepSeek-V3's routing written here: the bias moves which experts win, never their weights."""
+    layer = _moe(router="sigmoid", route_scale=2.5)
+    x = torch.randn(40, 32)
+    bias = torch.tensor([0.5, -0.5, 0.0, 0.25])
+    layer.router.bias.copy_(bias)
+    idx, weight, logits, _ = layer.router(x)
+    scores = (x @ layer.router.weight.T).sigmoid()
+    want = torch.topk(scores + bias, 2).indices
+    assert torch.equal(idx, want)
+    w = scores.gather(1, want)
+    torch.testing.assert_close(weight, 2.5 * w / w.sum(1, keepdim=True))
+    assert not torch.equal(want, torch.topk(scores, 2).indices)  # the bias did change some picks
+
+
+def test_balancing_losses_reach_the_router_gradient_only():
+    """The losses change no output, and their gradient is coef x d(loss)/d(router) (here compared with
+    autograd of the same loss added to the output's). Mutant caught: _AuxGrad dropping the scale."""
+    from hpctrain.models.moe import balance_losses
+
+    x = torch.randn(1, 16, 32)
+    plain, aux = _moe(), _moe(aux_loss_coef=0.3, z_loss_coef=0.01)
+    aux.aux_scale = 0.5
+    torch.testing.assert_close(plain(x), aux(x))
+    y = aux(x)
+    y.sum().backward()
+    ref = _moe()
+    y2 = ref(x)
+    flat = x.reshape(-1, 32)
+    idx, w, logits, probs = ref.router(flat)
+    a, z = balance_losses(logits, probs, torch.bincount(idx.flatten(), minlength=4), 2)
+    (y2.sum() + 0.5 * (0.3 * a + 0.01 * z)).backward()
+    torch.testing.assert_close(aux.router.weight.grad, ref.router.weight.grad)
+
+
+def test_router_stats_count_a_recomputed_forward_once():
+    """Activation checkpointing reruns the forward in backward; the step's load counts it once."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _moe()
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert layer.stats.passes == 1 and layer.stats.load.sum().item() == 16 * 2
+
+
+# ------------------------------------------------------------------------- config checks
+
+@pytest.mark.parametrize("overrides,says", [
+    (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must be between 1 and model.moe.experts=4"),
+    (["model.moe.experts=4", "model.moe.every=3"], "no block routes"),
+    (["model.moe.experts=3", "parallel.ep=2"], "model.moe.experts=3 is not divisible by parallel.ep=2"),
+    (["parallel.ep=2"], "the model has none (model.moe.experts=0)"),
+    (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=1"], "Fix: parallel.zero=2 or 3"),
+    (["model.moe.experts=4", "parallel.ep=4"], "parallel.ep=4 does not divide parallel.dp_shard=2"),
+    (["model.moe.experts=4", "parallel.tp=2"], "not supported yet"),
+    (["model.moe.experts=4", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor=-1.0 must be"),
+])
+def test_bad_moe_configs_are_refused_on_the_login_node(overrides, says):
+    from hpctrain.checks.config_checks import problems
+
+    found = problems(compose(["+experiment=tiny", *overrides]))
+    assert any(says in f for f in found), found
+
+
+def test_export_of_a_model_no_format_holds_is_refused_before_writing():
+    m = compose(["+experiment=tiny", "model=deepseek_v3"]).model
+    with pytest.raises(hf.HFError, match="moe.shared_experts=1.*--format file"):
+        hf.architecture(m)
+    assert hf.architecture(compose(["+experiment=tiny", "model=qwen3_30b_a3b"]).model) == "qwen3_moe"
+    assert hf.architecture(compose(["+experiment=tiny", "model=mixtral_8x7b"]).model) == "mixtral"
+
+
+def test_config_json_round_trip_of_both_formats():
+    for name in ("mixtral_8x7b", "qwen3_235b_a22b"):
+        m = compose(["+experiment=tiny", f"model={name}"]).model
+        assert hf.mismatches(m, hf.model_keys(hf.to_config(m, 4096))) == []
+        # transformers reads what we write, and what it writes back (its own key names) reads as the same model
+        theirs = transformers.AutoConfig.for_model(**hf.to_config(m, 4096))
+        assert type(theirs).__name__ == {"mixtral_8x7b": "MixtralConfig", "qwen3_235b_a22b": "Qwen3MoeConfig"}[name]
+        assert hf.mismatches(m, hf.model_keys(theirs.to_dict())) == []
+
+
+# ------------------------------------------------------------------------- Hugging Face, multi-rank
+
+def transformers_moe(kind: str, d: Path) -> Path:
+    """A MoE model initialised by transformers itself and saved in its published layout."""
+    torch.manual_seed(3)
+    common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                  num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=192, num_local_experts=4, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:  # the first block dense (mlp_only_layers), a head width apart from hidden / heads
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=192, moe_intermediate_size=64, num_experts=4, head_dim=16,
+                                          mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path, kind):
+    """model=hf from transformers' own MoE checkpoint (per-expert tensors), under FSDP2 and expert
+    parallel (each rank reads only its experts' slices): the first loss is transformers' on the same
+    batch, the second that of transformers + torch's AdamW (balancing loss at config.json's coefficient).
+    Mutant caught: an expert's slice read at another expert's offset, router weights transposed."""
+    from reference import reference_run
+
+    d = transformers_moe(kind, tmp_path / "hf")
+    common = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "model=hf", f"model.init_from={d}"]
+    cfg = compose(common)
+    assert cfg.model.moe.experts == 4 and cfg.model.moe.aux_loss_coef == 0.02
+    want = reference_run(cfg, 2, init_dir=d)["loss"]
+    layouts = ["parallel.zero=3", "parallel.ep=2"]
+    out = tmp_path / "out.json"
+    worker = str(Path(__file__).with_name("hf_worker.py"))
+    assert launch(tmp_path / "ranks", 2, cmd=[sys.executable, worker, "first_loss", str(out), str(d), *layouts]) == 0
+    got = json.loads(out.read_text())
+    for layout in layouts:
+        for step in range(2):
+            assert abs(got[layout][step] - want[step]) <= 2e-5 * max(1, want[step]), (layout, got[layout], want)
+
+
+# DeepSeek-V3's routing: the balancing bias, which moves every step, is state a resume must restore.
+EP_COMMON = ("+experiment=tiny", "model=moe_tiny", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01",
+             "train.steps=9", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
+             "checkpoint.every=3", "checkpoint.keep=3")
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """moe_tiny at ep 2 for 9 steps, checkpoints at 3, 6 and 9: the uninterrupted run the resumes are
+    compared with."""
+    d = tmp_path_factory.mktemp("ep2") / "run"
+    run_cli(*EP_COMMON, "parallel.ep=2", f"run.dir={d}")
+    return d
+
+
+def back_to(run: Path, step: int, dst: Path) -> Path:
+    """A copy of a finished run as it stood after saving `step`: the later checkpoints and the outcome gone."""
+    shutil.copytree(run, dst, symlinks=True)
+    for ckpt in (dst / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    (dst / "outcome.json").unlink()
+    return dst
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_ep_is_bit_identical_and_on_other_ep_sizes_within_1e_5(tmp_path, ep2_run):
+    """ep 2 -> ep 2 from step 3 (bit-identical), ep 2 -> ep 1 (one rank) from step 3, then -> ep 4 from
+    step 6 of that run: every loss as the uninterrupted ep 2 run's, the data position carried over.
+    Mutant caught: experts resharded in the wrong order, the router bias (persistent=False) or the data
+    position not restored."""
+    want = _losses(ep2_run)
+    assert len(want) == 9
+    rows = read_metrics(ep2_run)
+    assert {"moe_aux_loss", "expert_share_min", "expert_share_max", "expert_share"} <= set(rows[-1])
+    assert rows[-1]["expert_share_min"] <= 1.0 <= rows[-1]["expert_share_max"] and len(rows[-1]["expert_share"]) == 8
+
+    same = back_to(ep2_run, 3, tmp_path / "same")
+    out = run_cli(*EP_COMMON, "parallel.ep=2", f"run.dir={same}").stdout
+    assert "resumed from checkpoint step 3" in out
+    assert _losses(same) == want
+
+    other = back_to(ep2_run, 3, tmp_path / "other")
+    run_cli(*EP_COMMON, "parallel.ep=1", "launcher.nproc=1", f"run.dir={other}")
+    other = back_to(other, 6, tmp_path / "other-then")
+    out = run_cli(*EP_COMMON, "parallel.ep=4", "launcher.nproc=4", f"run.dir={other}").stdout
+    assert "resumed from checkpoint step 6" in out
+    got = _losses(other)
+    assert len(got) == 9
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (step, a, b)
+
+
+@pytest.mark.slow
+def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    """--format hf of the ep 2 checkpoint: MixtralForCausalLM loads it with no missing or unexpected key
+    and gives the logits of hpctrain's model loaded from the one-file export of the same checkpoint (our
+    names, consolidated by DCP: no Hugging Face naming in that path)."""
+    from safetensors.torch import load_file
+
+    from hpctrain.core.compose import load
+    from hpctrain.models.llama import Llama
+
+    run = tmp_path / "run"
+    run_cli("+experiment=tiny", "model=moe_tiny", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", f"run.dir={run}")
+    step = run / "checkpoints" / "step-00000002"
+    proc = run_cli("export", str(step), str(tmp_path / "hf"), "--format", "hf", module="hpctrain.checkpoint")
+    assert "MixtralForCausalLM" in proc.stdout
+    theirs, info = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    run_cli("export", str(step), str(tmp_path / "ours.safetensors"), module="hpctrain.checkpoint")
+    ours = Llama(load(run / "config.yaml").model, 64).eval()
+    ours.load_state_dict(load_file(tmp_path / "ours.safetensors"))
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = ours(tokens), theirs.eval()(input_ids=tokens).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
