@@ -18,6 +18,7 @@ from hpctrain.plan import duration
 from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.verdict import summary as plan_summary
 from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
+from hpctrain.core.flops import param_counts
 from hpctrain.core.spec import engine_spec
 from hpctrain.core.schema import Config
 from hpctrain.core.reference import groups_help
@@ -74,7 +75,10 @@ def summary(cfg: Config) -> str:
     spec = engine_spec(cfg)
     params, lay = spec.params, spec.layout
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return (f"model {cfg.model.name}: {words.params(params)} parameters ({params:,})\n"
+    active = param_counts(cfg.model)["active"]
+    moe = (f", {words.params(active)} active ({cfg.model.moe.top_k} of {cfg.model.moe.experts} experts a token)"
+           if cfg.model.moe.experts else "")
+    return (f"model {cfg.model.name}: {words.params(params)} parameters ({params:,}){moe}\n"
             f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
             + (f"pipeline: {spec.pipeline.describe()}\n" if spec.pipeline and spec.pipeline.blocks else "") +
             f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "

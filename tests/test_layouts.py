@@ -45,7 +45,8 @@ LAYOUTS = {
     2: [f"{MOE} parallel.zero=3", f"{MOE} parallel.zero=3 parallel.ac=full", f"{AUX_FREE} parallel.zero=2",
         f"{MOE} parallel.pp=2 parallel.dp_shard=1", f"{QWEN3_MOE} parallel.zero=0",
         # Expert parallel: all-to-all of uneven splits, expert gradients over ep data-parallel ranks.
-        f"{MOE} parallel.ep=2", f"{AUX_FREE} parallel.ep=2 parallel.ac=full", f"{QWEN3_MOE} parallel.ep=2","parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
+        f"{MOE} parallel.ep=2", f"{AUX_FREE} parallel.ep=2 parallel.ac=full", f"{QWEN3_MOE} parallel.ep=2",
+        f"{MOE} parallel.ep=2 offload=cpu",  # FSDP2's host parameters: the experts' 2-D DTensors too"parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         # TP keeping its gathered sequence-parallel inputs for backward (the default re-gathers them)
         "parallel.tp=2 parallel.dp_shard=1 parallel.sp_regather=false",

@@ -32,7 +32,8 @@ def param_counts(m: ModelConfig) -> dict:
     active = total - n_moe * (e.experts - e.top_k) * expert
     return {"total": total, "active": active, "embedding": embedding, "output": output,
             "per_block": blocks / m.n_layers if n_moe else dense_block, "blocks": blocks, "final_norm": m.dim,
-            "experts": n_moe * e.experts * expert, "moe_layers": n_moe, "expert": expert}
+            "experts": n_moe * e.experts * expert, "moe_layers": n_moe, "expert": expert,
+            "dense_block": dense_block, "moe_block": moe_block - e.experts * expert}
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:

@@ -89,6 +89,9 @@ class MoEConfig:
     grouped_mm: bool = True
     """Compute the experts as one grouped GEMM (torch._grouped_mm); false = a loop over experts (the
     reference). Falls back to the loop where the shapes are not 16-byte aligned."""
+    imbalance: float = 1.0
+    """Planner: the busiest expert-parallel rank's routed tokens over the mean (1.0 = even). A run's
+    metrics give it: expert_share_max is the busiest expert's share relative to an even split."""
 
 
 @dataclass
@@ -486,6 +489,9 @@ class ClusterConfig:
     """Planner: fraction of peak_tflops a large GEMM sustains."""
     attention_efficiency: float = 0.3
     """Planner: fused attention: fraction of peak on the FLOPs it performs."""
+    grouped_gemm_efficiency: float = 0.85
+    """Planner: a Mixture-of-Experts layer's grouped GEMM over its experts, as a fraction of the rate of
+    dense GEMMs of the same shapes (benchmarks/moe.py measures it against the per-expert loop)."""
     intra_node_gbps: float = 5.0
     """Planner: collective bus bandwidth (nccl-tests busbw) inside a node."""
     intra_node_latency_us: float = 50.0

@@ -13,6 +13,8 @@ from hpctrain.core.flops import param_counts
 from hpctrain.core.shape import head_dim
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
+from hpctrain.plan.moe import (dense_ffn_activation, expert_activation_bytes, expert_params, expert_zero_group,
+                               stage_moe_layers)
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
@@ -49,6 +51,9 @@ class Job:
     # TP with sequence parallelism (hpctrain always; Megatron-LM of 2021 had none: its norms and
     # residual stream were whole on every TP rank)
     sequence_parallel: bool = True
+    # Megatron's expert tensor parallel (ETP): each expert's width split over this many ranks (1: none,
+    # hpctrain's engine)
+    expert_tp: int = 1
 
     @classmethod
     def of(cls, model: ModelConfig, cluster: ClusterConfig, knobs: Knobs, **planner) -> "Job":
@@ -148,16 +153,21 @@ class StageParams:
     layers: int
     total: float
     largest_unit: float  # the biggest FSDP unit (a block, the embedding or the output layer)
+    experts: float = 0.0  # of `total`, routed experts (after expert parallel): sharded over expert_zero_group
 
 
 def stage_params(job: "Job", stage: int) -> StageParams:
     m, tp = job.model, job.knobs.layout.tp
     c = param_counts(m)
-    # TP splits every matrix (vocab-parallel embedding and output included); norms are replicated.
-    block = (c["per_block"] - 2 * m.dim) / tp + 2 * m.dim
     layers = job.stage_layers(stage)
-    units = [block] if layers else []
-    total = layers * block
+    n_moe = stage_moe_layers(job, stage)
+    # TP splits every matrix (vocab-parallel embedding and output included); norms are replicated. An MoE
+    # block's routed experts are split by expert parallel instead (plan.moe), a unit of their own.
+    block = (c["dense_block"] - 2 * m.dim) / tp + 2 * m.dim
+    moe_block = (c["moe_block"] - 2 * m.dim) / tp + 2 * m.dim
+    experts = expert_params(job, stage)
+    units = ([block] if layers > n_moe else []) + ([moe_block, experts / max(1, n_moe)] if n_moe else [])
+    total = (layers - n_moe) * block + n_moe * moe_block + experts
     if job.first(stage):
         units.append(c["embedding"] / tp)
         total += c["embedding"] / tp
@@ -166,7 +176,7 @@ def stage_params(job: "Job", stage: int) -> StageParams:
         out = c["embedding"] if (m.tie_embeddings and job.knobs.layout.pp > 1) else c["output"]
         units.append(out / tp + m.dim)
         total += out / tp + m.dim
-    return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0))
+    return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0), experts=experts)
 
 
 def model_state(params: float, precision: str, zero: int, shard: int, offload: str,
@@ -227,7 +237,7 @@ def layer_activation_bytes(m: ModelConfig, tokens: int, tp: int, precision: str,
     bf16 once, hpctrain.models.llama.RMSNorm, so the linears reading one share it).
     """
     kv = m.n_kv_heads * head_dim(m)
-    pb = BYTES[precision]
+    pb = BYTES[precision]  # (an MoE layer's feed-forward: plan.moe.expert_activation_bytes)
     gathered = 2 * m.dim / (tp if (regather and sp) else 1)
     norm_inputs = 2 * m.dim / (tp if sp else 1)
     per_token = (gathered + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp) * pb + norm_inputs * (stream or pb)
@@ -313,7 +323,14 @@ def activations(job: Job, stage: int) -> dict:
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
     full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
     ckpt = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
-    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * full
+    n_moe = stage_moe_layers(job, stage)
+    if n_moe:  # MoE blocks save their experts' rows instead of a SwiGLU's (mean over the stage's blocks)
+        moe_full = full - tokens * dense_ffn_activation(job, BYTES[pr]) + expert_activation_bytes(job, tokens, BYTES[pr])
+        layer = ((layers - n_moe) * full + n_moe * moe_full) / layers
+        full = max(full, moe_full) if n_moe < layers else moe_full
+    else:
+        layer = full
+    per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * layer
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
         per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
                                     + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
@@ -499,8 +516,13 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.knobs.layout
     sp = stage_params(job, stage)
-    dev, off = model_state(sp.total, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload, job.params_on_host,
-                           job.autocast)
+    dev, off = model_state(sp.total - sp.experts, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload,
+                           job.params_on_host, job.autocast)
+    if sp.experts:  # routed experts: sharded over what expert parallel leaves of the data-parallel ranks
+        e_dev, e_off = model_state(sp.experts, job.knobs.precision, job.knobs.zero, expert_zero_group(job),
+                                   job.knobs.offload, job.params_on_host, job.autocast)
+        dev = {k: dev.get(k, 0.0) + e_dev.get(k, 0.0) for k in {**dev, **e_dev}}
+        off = {k: off.get(k, 0.0) + e_off.get(k, 0.0) for k in {**off, **e_off}}
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,

@@ -4,7 +4,7 @@ tokens/s, and say why the rest cannot run. Pure arithmetic: a 64-GPU search take
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from hpctrain.plan.memory import Job, Memory, memory
@@ -28,6 +28,7 @@ class Space:
     virtual_stages: tuple = (2, 4)  # tried with interleaved_1f1b
     grad_syncs: tuple = ("microbatch", "step")  # tried with ZeRO-2/3 without pipelining
     ac_every: int = 2
+    experts: int = 0  # a MoE model's routed experts: expert-parallel degrees dividing them are tried
 
 
 @dataclass
@@ -54,7 +55,7 @@ class SearchResult:
 
 def knobs(job: Job) -> dict:
     lay = job.knobs.layout
-    return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+    return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep,
             "zero": job.knobs.zero, "offload": job.knobs.offload, "ac": job.knobs.ac, "micro_batch": job.knobs.micro_batch,
             "schedule": job.knobs.schedule if lay.pp > 1 else "-",
             "virtual_stages": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
@@ -67,7 +68,8 @@ def overrides(job: Job) -> list[str]:
     """The command-line overrides that select this layout."""
     k = knobs(job)
     out = [f"parallel.tp={k['tp']}", f"parallel.pp={k['pp']}", f"parallel.dp_replicate={k['dp_replicate']}",
-           f"parallel.dp_shard={k['dp_shard']}", f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
+           f"parallel.dp_shard={k['dp_shard']}", *([f"parallel.ep={k['ep']}"] if job.model.moe.experts else []),
+           f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
            f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
     if job.knobs.ac == "selective":
         out.append(f"parallel.ac_every={job.knobs.ac_every}")
@@ -89,6 +91,11 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
+    if (m.moe.experts or m.qk_norm) and lay.tp > 1:  # what the engine cannot run yet (checks.config_checks)
+        out.append(("MoE/QK-norm with tp", "MoE layers and QK-norm do not run with tensor parallel yet"))
+    if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
+        out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
+                          f"and model.moe.experts={m.moe.experts}"))
     # Layers need not divide into stages (hpctrain.core.spec.split_layers splits them unevenly); every stage
     # but the first and the last needs a block.
     stages = job.spec.pipeline.stages if job.spec.pipeline else 1
@@ -147,10 +154,15 @@ def layouts(cluster: ClusterConfig, world: int, space: Space) -> Iterator[tuple[
                 for rep in divisors(dp):
                     shard = dp // rep
                     if rep == 1 or (zero == 3 and (shard * tp) % rpn == 0):
-                        yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp), zero
+                        # expert parallel: a split of dp_shard into whole experts (FSDP2 only)
+                        eps = [e for e in divisors(shard) if space.experts % e == 0] if space.experts and zero >= 2 else [1]
+                        for ep in eps:
+                            yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep), zero
 
 
 def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iterator[Job]:
+    if base.model.moe.experts and not space.experts:
+        space = replace(space, experts=base.model.moe.experts)
     for lay, zero in layouts(base.cluster, world or base.world, space):
         scheds = [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
         for offload in (space.offloads if zero >= 1 else ("none",)):

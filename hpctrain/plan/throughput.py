@@ -18,6 +18,7 @@ from typing import Optional
 from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.core.shape import head_dim
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.plan.moe import dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, stage_moe_layers
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params, stream_bytes)
 from hpctrain.core.schema import ClusterConfig
@@ -176,7 +177,8 @@ class Collective:
             return self.latency + self.nbytes / self.busbw
         factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(self.op, (n - 1) / n)
         intra = self.intra_latency or self.latency
-        if self.op in ("all_gather", "reduce_scatter"):
+        # all_to_all (expert dispatch): n-1 pairwise exchanges, (n-1)/n of the buffer leaves the rank
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
             lat = (n - k) * intra + (k - 1) * self.latency
         elif self.op == "all_reduce" and k > 1:
             lat = 2 * ((n // k - 1) * intra + math.ceil(math.log2(k)) * self.latency)
@@ -214,9 +216,14 @@ def link(cluster: ClusterConfig, size: int, stride: int) -> tuple[float, float, 
 
 def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collective:
     lay = job.knobs.layout
-    size, stride = {"tp": (lay.tp, 1), "dp_shard": (lay.dp_shard, lay.tp), "dp": (lay.dp, lay.tp),
-                    "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
-                    "pp": (2, lay.tp * lay.dp)}[dim]
+    if dim == "ep":
+        size, stride = ep_link(job)
+    elif dim == "edp":  # what ZeRO shards the experts over: the ranks outside the ep group
+        size, stride = expert_zero_group(job), lay.tp * lay.ep if not folded(job) else lay.ep * job.expert_tp
+    else:
+        size, stride = {"tp": (lay.tp, 1), "dp_shard": (lay.dp_shard, lay.tp), "dp": (lay.dp, lay.tp),
+                        "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
+                        "pp": (2, lay.tp * lay.dp)}[dim]
     bw, lat, nodes = link(job.cluster, size, stride)
     return Collective(dim, op, size, nbytes, count, bw, lat, nodes=nodes,
                       intra_latency=job.cluster.intra_node_latency_us * 1e-6)
@@ -239,10 +246,12 @@ class StageTime:
     params: float
     units: int
     collectives: list = field(default_factory=list)
+    ep_exposed: float = 0.0  # expert parallel's dispatch and combine all-to-alls (in line)
+    experts: float = 0.0  # of params, routed experts (sharded by ZeRO over the expert group)
 
     @property
     def total(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.zero_exposed
+        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.zero_exposed + self.ep_exposed
 
 
 def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
@@ -294,6 +303,22 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     recomputed = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
     w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
     recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
+    n_moe = stage_moe_layers(job, stage)
+    ep_exposed, ep_colls = 0.0, []
+    if n_moe:
+        # An MoE block's feed-forward in place of the SwiGLU (the two last linears and its elementwise)
+        moe = expert_time(job, hw, tokens)
+        b = FUSED_BYTES if (sw.fused or job.knobs.compile) else EAGER_BYTES
+        swiglu = tokens * b["swiglu"] * m.ffn_dim / lay.tp * hw.elem / 2 / hw.hbm
+        delta = moe["gemm"] + moe["elem"] - (lf["linears"][2] + lf["linears"][3] + swiglu)
+        fwd += n_moe * delta
+        bwd += 2 * n_moe * delta
+        recompute += recomputed * n_moe / layers * delta
+        if lay.ep > 1:  # dispatch + combine, forward and backward, and the recomputed forward's
+            count = (4 * n_moe + 2 * recomputed * n_moe / layers) * job.microbatches
+            a2a = _coll(job, "ep", "all_to_all", dispatch_bytes(job, tokens, hw.elem), count)
+            a2a.exposed = a2a.total
+            ep_exposed, ep_colls = a2a.total / job.microbatches, [a2a]
 
     mb = job.microbatches
     colls = []
@@ -337,7 +362,8 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
 
     sp = stage_params(job, stage)
     units = layers + first + last
-    st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls)
+    st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls + ep_colls,
+                   ep_exposed=ep_exposed, experts=sp.experts)
     _zero_traffic(job, st, hw, sw)
     return st
 
@@ -370,22 +396,38 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     gathered from a micro-batch's forward to its backward). With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
     Gradients travel in fp32 (REDUCE_BYTES), parameters in the compute precision.
     """
-    lay, mb, P = job.knobs.layout, job.microbatches, st.params
-    if lay.dp == 1:
-        return
+    lay = job.knobs.layout
+    if lay.ep <= 1:  # every parameter over the data-parallel ranks
+        parts = [(st.params, "dp_shard", job.zero_group)] if lay.dp > 1 else []
+    else:  # routed experts over the ranks expert parallel leaves (none: each rank owns its experts)
+        parts = [(st.params - st.experts, "dp_shard", job.zero_group)] if lay.dp > 1 else []
+        if expert_zero_group(job) > 1:
+            parts.append((st.experts, "edp", expert_zero_group(job)))
+    zero_exposed, dp_exposed = 0.0, 0.0
+    for P, dim, N in parts:
+        _zero_part(job, st, hw, sw, P, dim, N)
+        zero_exposed, dp_exposed = zero_exposed + st.zero_exposed, dp_exposed + st.dp_exposed
+    st.zero_exposed, st.dp_exposed = zero_exposed, dp_exposed
+
+
+def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, shard_dim: str, N: int) -> None:
+    """_zero_traffic for `P` parameters sharded over the `N` ranks of mesh dimension `shard_dim`; sets
+    st.zero_exposed and st.dp_exposed to this part's."""
+    lay, mb = job.knobs.layout, job.microbatches
+    st.zero_exposed = st.dp_exposed = 0.0
     fwd, bwd = st.fwd, st.bwd + st.recompute
     grad, par = P * REDUCE_BYTES, P * hw.elem
-    N = job.zero_group
 
     def hide(t: float, window: float) -> float:
         return _hide(t, window, st.units, sw.dp_overlap)
 
     if job.knobs.zero == 0 or N == 1:
-        colls = [_coll(job, "dp", "all_reduce", grad, 1)]
+        colls = [_coll(job, "dp" if shard_dim == "dp_shard" else shard_dim, "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
     elif job.knobs.zero == 1 and sw.zero1 == "all_reduce":
         # The parameters are fp32 (hpctrain.core.spec.dtypes); the broadcasts follow the optimizer step.
-        colls = [_coll(job, "dp", "all_reduce", grad, 1), _coll(job, "dp_shard", "broadcast", P * 4, 1)]
+        colls = [_coll(job, "dp" if shard_dim == "dp_shard" else shard_dim, "all_reduce", grad, 1),
+                 _coll(job, shard_dim, "broadcast", P * 4, 1)]
         st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
         per_mb = job.knobs.zero >= 2 and job.spec.grad_sync == "microbatch"
@@ -395,8 +437,8 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
         gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.knobs.zero >= 3 else 1
         # one call per unit (FSDP's per-block groups, Megatron's buckets): each pays the latency
         u = st.units
-        colls = [_coll(job, "dp_shard", "reduce_scatter", grad / u, rs_count * u),
-                 _coll(job, "dp_shard", "all_gather", par / u, gathers * u)]
+        colls = [_coll(job, shard_dim, "reduce_scatter", grad / u, rs_count * u),
+                 _coll(job, shard_dim, "all_gather", par / u, gathers * u)]
         if lay.dp_replicate > 1:
             colls.append(_coll(job, "dp_replicate", "all_reduce", grad / N / u, rs_count * u))
         reduce = u * (colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0))
@@ -448,11 +490,12 @@ def bubble_divisor(job: Job) -> float:
     return BUBBLE_DIVISOR.get(job.knobs.schedule, 1.0)
 
 
-def optimizer_time(job: Job, params: float) -> dict:
+def optimizer_time(job: Job, params: float, experts: float = 0.0) -> dict:
     """The Adam step on this rank's shard: on device (HBM-bound), or on the host with PCIe copies
-    (cpu), plus NVMe reads and writes of master weights and moments pipelined with it (nvme)."""
+    (cpu), plus NVMe reads and writes of master weights and moments pipelined with it (nvme).
+    `experts`: of `params`, routed experts, sharded over the expert group."""
     c = job.cluster
-    shard = params / job.zero_group if job.knobs.zero >= 1 else params
+    shard = ((params - experts) / job.zero_group + experts / expert_zero_group(job)) if job.knobs.zero >= 1 else params
     if job.knobs.offload == "none":
         return {"optimizer": shard * ADAM_BYTES[job.knobs.precision] / (c.hbm_gbps * 1e9)}
     rpn = ranks_per_node(c)
@@ -482,6 +525,8 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
 
     br = {"compute": mb * (worst.fwd + worst.bwd), "recompute": mb * worst.recompute,
           "tp_exposed": mb * worst.tp_exposed, "zero_exposed": mb * worst.zero_exposed, "bubble": bubble}
+    if worst.ep_exposed:
+        br["ep_exposed"] = mb * worst.ep_exposed
     colls = list(worst.collectives)
     if lay.pp > 1:
         v = stages_per_rank(job)
@@ -493,7 +538,8 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
         colls.append(p2p)
         br["p2p_exposed"] = p2p.exposed
     br["dp_exposed"] = worst.dp_exposed
-    br.update(optimizer_time(job, max(t.params for t in times.values())))
+    heaviest = max(times.values(), key=lambda t: t.params)
+    br.update(optimizer_time(job, heaviest.params, heaviest.experts))
     step = sum(br.values())
 
     tokens = job.knobs.global_batch * job.knobs.seq_len

@@ -53,7 +53,8 @@ def plan_dict(p: Plan) -> dict:
 
 def describe(job: Job) -> str:
     k = knobs(job)
-    s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}, zero {k['zero']}, "
+    ep = f" (ep {k['ep']})" if k["ep"] > 1 else ""
+    s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}{ep}, zero {k['zero']}, "
          f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
     if job.knobs.layout.pp > 1:
         s += f", {job.knobs.schedule}" + (f" v{job.knobs.virtual_stages}" if job.knobs.schedule == "interleaved_1f1b" else "")
@@ -76,7 +77,9 @@ def summary(p: Plan) -> str:
     j, m, t = p.job, p.memory, p.time
     c = j.cluster
     unit = words.device(c.gpus_per_node)
-    lines = [f"{j.model.name} ({words.params(param_counts(j.model)['total'])} params) on {j.world} x {c.name}: "
+    counts = param_counts(j.model)
+    active = f", {words.params(counts['active'])} active" if j.model.moe.experts else ""
+    lines = [f"{j.model.name} ({words.params(counts['total'])} params{active}) on {j.world} x {c.name}: "
              f"{describe(j)}",
              f"memory per {unit} (stage {m.stage}): {gib(m.device_total)} of {gib(m.device_limit)}: "
              + _parts(m.device, gib),
