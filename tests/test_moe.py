@@ -5,6 +5,7 @@ numerics of every MoE layout against transformers: tests/test_layouts.py.)"""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 import shutil
 import sys
@@ -307,3 +308,46 @@ def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(t
     with torch.no_grad():
         a, b = ours(tokens), theirs.eval()(input_ids=tokens).logits
     assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+# ------------------------------------------------------------------------- the planner
+
+@pytest.mark.parametrize("experiment", ["mixtral_8x7b", "qwen3_235b_a22b"])
+def test_published_moe_models_plan_as_feasible_on_h100(experiment):
+    """The presets' layouts pass every login-node check and fit an H100's 80 GB with their expert
+    parallel split. Mutant caught: routed experts not divided by ep in the memory model (Qwen3-235B's
+    experts, 2 bytes x 227 B / 256 ranks under ZeRO-3, would still fit; Mixtral's under ZeRO-2 over 64
+    ranks keep 13.5 GiB of bf16 parameters, 8 x that unsplit)."""
+    from hpctrain.checks.config_checks import check
+    from hpctrain.plan.memory import job_of, memory
+    from hpctrain.plan.throughput import throughput
+
+    cfg = compose([f"+experiment={experiment}"])
+    check(cfg)
+    job = job_of(cfg)
+    mem = memory(job)
+    assert mem.fits, mem.problems
+    t = throughput(job)
+    assert t.breakdown["ep_exposed"] > 0 and 0.1 < t.mfu < 0.6
+    # Expert parallel keeps 1/ep of the routed experts: the parameters a rank holds (before ZeRO) against
+    # the same layout without it.
+    from hpctrain.plan.memory import stage_params
+
+    split, whole = stage_params(job, 0), stage_params(job.with_(layout=replace(job.knobs.layout, ep=1)), 0)
+    assert whole.total - split.total == pytest.approx(whole.experts * (1 - 1 / job.knobs.layout.ep))
+
+
+def test_planner_moe_terms_follow_the_layout():
+    """ep moves expert state off a rank and adds all-to-all time; imbalance slows the experts;
+    grouped-GEMM efficiency prices the expert GEMMs (each against the same job without the change)."""
+    from hpctrain.plan.memory import job_of, memory
+    from hpctrain.plan.throughput import throughput
+
+    base = job_of(compose(["+experiment=mixtral_8x7b"]))
+    one = base.with_(layout=replace(base.knobs.layout, ep=1))
+    assert memory(base).device["params"] < memory(one).device["params"]
+    assert "ep_exposed" not in throughput(one).breakdown and throughput(base).breakdown["ep_exposed"] > 0
+    skewed = base.with_(model=replace(base.model, moe=replace(base.model.moe, imbalance=1.5)))
+    assert throughput(skewed).breakdown["compute"] > throughput(base).breakdown["compute"]
+    slow = base.with_(cluster=replace(base.cluster, grouped_gemm_efficiency=0.5))
+    assert throughput(slow).breakdown["compute"] > throughput(base).breakdown["compute"]
