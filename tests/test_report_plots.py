@@ -151,3 +151,21 @@ def test_sweep_ranks_on_what_it_shows_and_every_element_is_visible(tmp_path, wit
     best_y = max(y for _, y in dots)
     assert [t.get_text() for t in rank_ax.get_yticklabels()][list(rank_ax.get_yticks()).index(best_y)] == "optim.lr=1e-2"
     plt.close("all")
+
+
+def test_router_plot_shows_each_experts_share_and_only_for_moe_runs(figure, tmp_path):
+    """Guards: a heat map whose rows are not the experts, or whose steps are shifted; a router plot
+    drawn for a dense run (empty axes)."""
+    run = made_run()
+    assert R.plot_router(run, tmp_path) is None  # dense: no router metrics
+    for m in run.metrics:
+        k = m["step"]
+        m.update(expert_share=[1.0 + 0.01 * k, 1.0 - 0.01 * k, 1.0, 1.0], expert_share_min=1.0 - 0.01 * k,
+                 expert_share_max=1.0 + 0.01 * k, moe_aux_loss=2.0 + 0.001 * k)
+    assert R.plot_router(run, tmp_path) == "router.png"
+    heat = figure().axes[0]
+    image = heat.get_images()[0].get_array()
+    assert image.shape == (4, 40)  # experts x steps
+    assert image[0, -1] == pytest.approx(1.4) and image[1, 0] == pytest.approx(0.99)
+    left, right, _, _ = heat.get_images()[0].get_extent()
+    assert (left, right) == (0.5, 40.5)

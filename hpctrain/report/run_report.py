@@ -245,12 +245,51 @@ def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
     return _save(fig, out / "checkpoints.png")
 
 
+def plot_router(run: Run, out: Path) -> Optional[str]:
+    """Mixture-of-Experts runs: each expert's share of the routed tokens over the steps (relative to an
+    even split, the mean over MoE layers), and the spread over experts and layers with the balancing loss."""
+    rows = [m for m in run.metrics if m.get("expert_share")]
+    if not rows:
+        return None
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    fig, (heat, spread) = _axes(2)
+    fig.set_figheight(4.2)
+    steps = [m["step"] for m in rows]
+    share = np.array([m["expert_share"] for m in rows]).T  # experts x steps
+    hi = max(1.5, float(share.max()))
+    im = heat.imshow(share, aspect="auto", origin="lower", cmap="RdBu_r", interpolation="nearest",
+                     norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, float(share.min())), vmax=hi),
+                     extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, share.shape[0] - 0.5))
+    fig.colorbar(im, ax=heat, label="share of tokens / even share")
+    heat.set_xlabel("step")
+    heat.set_ylabel("expert (mean over MoE layers)")
+    spread.fill_between(steps, [m["expert_share_min"] for m in rows], [m["expert_share_max"] for m in rows],
+                        alpha=0.3, color="C1", label="least to most loaded expert, any layer")
+    spread.axhline(1.0, ls="--", color="k", lw=1, label="even")
+    spread.set_xlabel("step")
+    spread.set_ylabel("share of tokens / even share")
+    spread.grid(alpha=0.3)
+    handles, labels = spread.get_legend_handles_labels()
+    if any("moe_aux_loss" in m for m in rows):
+        aux = spread.twinx()
+        aux.plot(steps, [m.get("moe_aux_loss") for m in rows], color="C0", lw=1, label="balancing loss (sum over layers)")
+        aux.set_ylabel("balancing loss")
+        more = aux.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    # one legend under the axes: over them it would hide the spread it explains
+    spread.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
+    return _save(fig, out / "router.png")
+
+
 PLOTS = {
     "loss.png": ("Loss", plot_loss),
     "throughput.png": ("Throughput and MFU", plot_throughput),
     "step_time.png": ("Step time", plot_step_time),
     "memory.png": ("Memory", plot_memory),
     "checkpoints.png": ("Checkpoint saves", plot_checkpoints),
+    "router.png": ("Expert load (Mixture-of-Experts)", plot_router),
 }
 
 
