@@ -1,7 +1,7 @@
 """Tokens/s and peak memory per rank of each parallel layout, measured, next to the planner's
 predicted bytes per rank for the same config.
 
-    python benchmarks/layouts.py [--models small tiny] [--layouts ddp zero1 ...] [--steps 5] [--skip 2]
+    python benchmarks/layouts.py [--models small tiny] [--layouts ddp zero1 ... | moe_zero3 moe_ep2 ...] [--steps 5] [--skip 2]
                                  [--mem-steps 4] [--reps 1] [--set KEY=VALUE ...] [--out outputs/bench/layouts]
 
 Both models by default, each with every layout (conf/model/small.yaml, ~34M parameters, and
@@ -91,6 +91,17 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     # an uneven pipeline split, given by hand
     "pp2_uneven": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_layers=[3,5]"]),
 }
+# Mixture-of-Experts layouts (the model made MoE: 8 experts of width 512, 2 a token, in every block),
+# measured when named with --layouts: FSDP2 alone, and expert parallel over 2 and 4 ranks.
+MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_dim=512", "parallel=fsdp", "parallel.zero=3"]
+MOE_LAYOUTS = {
+    "moe_zero3": (2, MOE),
+    "moe_ep2": (2, [*MOE, "parallel.ep=2"]),
+    "moe_ep2_dp2": (4, [*MOE, "parallel.ep=2", "train.global_batch=8"]),
+    "moe_ep4": (4, [*MOE, "parallel.ep=4", "train.global_batch=8"]),
+}
+DENSE_LAYOUTS = list(LAYOUTS)
+LAYOUTS.update(MOE_LAYOUTS)
 DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimizer + DDP), dp 2",
             "zero2": "ZeRO-2 (FSDP2, no reshard after fwd), dp 2", "zero3": "ZeRO-3 (FSDP2), dp 2",
             "zero2_step": "ZeRO-2, gradients reduced once per step, dp 2",
@@ -98,7 +109,9 @@ DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimiz
             "tp2": "TP 2 (dp 1)", "pp2": "PP 2, 1f1b, 2 micro-batches", "hsdp2x2": "HSDP 2x2 (zero 3), 4 ranks",
             "tp2xpp2": "TP 2 x PP 2, 1f1b, 4 ranks", "ddp_tp2_dp2": "DDP (replicate) x TP 2, dp 2, 4 ranks",
             "zero1_pp2_dp2": "ZeRO-1 (sharded by owner) x PP 2, dp 2, 4 ranks",
-            "zero3_pp2_dp2": "ZeRO-3 (FSDP2) x PP 2, dp 2, 4 ranks", "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5"}
+            "zero3_pp2_dp2": "ZeRO-3 (FSDP2) x PP 2, dp 2, 4 ranks", "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5",
+            "moe_zero3": "MoE 8 experts, ZeRO-3 (FSDP2), dp 2", "moe_ep2": "MoE, EP 2 (ZeRO-3), dp 2",
+            "moe_ep2_dp2": "MoE, EP 2 x expert FSDP 2, dp 4", "moe_ep4": "MoE, EP 4, dp 4"}
 
 
 SET: list[str] = []  # --set: config overrides after every layout's own (the runs' and the planner's)
@@ -371,7 +384,8 @@ def report(model: str, rows: list[dict], a, cores: int, wall_s: float, out: Path
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=DENSE_LAYOUTS, choices=list(LAYOUTS),
+                    help="default: every dense layout; the MoE ones (moe_*) when named")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                     help="conf/model configs to measure, each with every layout (outputs under --out/<model>)")
     ap.add_argument("--steps", type=int, default=5, help="steps of the speed run")

@@ -41,9 +41,10 @@ def build_mesh(layout: Layout, device_type: str) -> Meshes:
 def _expert_mesh(layout: Layout, device_type: str) -> Meshes:
     shape = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.tp)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_DIMS)
-    mesh[("efsdp", "ep")]._flatten("dp_shard")
+    dp_shard = mesh[("efsdp", "ep")]._flatten("dp_shard")
     dp = mesh[("dp_replicate", "efsdp", "ep")]._flatten("dp")
     hsdp = layout.dp_replicate > 1
-    fsdp = mesh[("dp_replicate", "dp_shard")] if hsdp else mesh["dp_shard"]
+    # HSDP's 2-D mesh is sliced from the root by the flattened name (torch warns that this will change)
+    fsdp = mesh[("dp_replicate", "dp_shard")] if hsdp else dp_shard
     efsdp = mesh[("dp_replicate", "efsdp")] if hsdp else mesh["efsdp"]
     return Meshes(world=mesh, dp=dp, fsdp=fsdp, ep=mesh["ep"], efsdp=efsdp)

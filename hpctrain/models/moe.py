@@ -40,18 +40,6 @@ class _AuxGrad(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """torch._grouped_mm's CPU backward refuses a gradient with zero strides (an expanded one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.contiguous()
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times `scale` (expert parallel: see hpctrain.parallel.expert)."""
 
@@ -142,8 +130,16 @@ def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     offs = counts.cumsum(0).to(torch.int32)
     gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
     up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    h = _ContiguousGrad.apply(swiglu(gate, up))
-    return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
+    h = _contiguous_grad(swiglu(gate, up))
+    return _contiguous_grad(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's CPU backward refuses a gradient with zero strides (an expanded one, as a
+    sum's backward makes): each gradient reaching `t` is made contiguous first."""
+    if t.requires_grad:
+        t.register_hook(torch.Tensor.contiguous)
+    return t
 
 
 class Routed:

@@ -166,7 +166,11 @@ def stage_params(job: "Job", stage: int) -> StageParams:
     block = (c["dense_block"] - 2 * m.dim) / tp + 2 * m.dim
     moe_block = (c["moe_block"] - 2 * m.dim) / tp + 2 * m.dim
     experts = expert_params(job, stage)
-    units = ([block] if layers > n_moe else []) + ([moe_block, experts / max(1, n_moe)] if n_moe else [])
+    # Under expert parallel the experts are an FSDP unit of their own (hpctrain.parallel.data_parallel);
+    # without it they belong to their block's.
+    per_layer = experts / max(1, n_moe)
+    moe_units = [moe_block, per_layer] if job.knobs.layout.ep > 1 else [moe_block + per_layer]
+    units = ([block] if layers > n_moe else []) + (moe_units if n_moe else [])
     total = (layers - n_moe) * block + n_moe * moe_block + experts
     if job.first(stage):
         units.append(c["embedding"] / tp)
