@@ -30,9 +30,10 @@ def stage_moe_layers(job, stage: int) -> int:
 
 
 def folded(job) -> bool:
-    """Expert parallel over more ranks than data parallel gives (Megatron's folding into TP)."""
+    """Expert parallel laid out innermost, over the tensor-parallel ranks first (Megatron-Core's folding:
+    its runs, and any ep more than the data-parallel ranks give)."""
     lay = job.knobs.layout
-    return lay.ep > 1 and lay.dp_shard % lay.ep != 0
+    return lay.ep > 1 and (job.engine == "megatron" or lay.dp_shard % lay.ep != 0)
 
 
 def expert_zero_group(job) -> int:
@@ -63,7 +64,7 @@ def expert_activation_bytes(job, tokens: int, elem: int) -> float:
     and the router's fp32 logits and probabilities."""
     m = job.model
     e, f = m.moe, expert_ffn(m) / job.expert_tp
-    rows = tokens * e.top_k * e.imbalance
+    rows = routed_rows(job, tokens)
     shared = 3 * e.shared_experts * expert_ffn(m) / job.knobs.layout.tp
     per_row = 3 * m.dim + 3 * f
     return (rows * per_row + tokens * (shared + m.dim)) * elem + tokens * e.experts * 4 * 2
@@ -75,29 +76,37 @@ def dense_ffn_activation(job, elem: int) -> float:
     return 3 * job.model.ffn_dim / job.knobs.layout.tp * elem
 
 
-def expert_time(job, hw, tokens: int) -> dict:
+def routed_rows(job, tokens: int) -> float:
+    """Rows the busiest rank's experts compute per micro-batch: its tokens x top_k x imbalance, where
+    its tokens are 1/tp of the micro-batch's under tensor parallel (sequence parallel hands each TP rank
+    its share of the sequence, which it dispatches on its own)."""
+    e = job.model.moe
+    return tokens / job.knobs.layout.tp * e.top_k * e.imbalance
+
+
+def expert_time(job, hw, tokens: int, swiglu_bytes: float = 6.0) -> dict:
     """One MoE layer's feed-forward on the busiest rank, one micro-batch, forward: the router's GEMM, the
-    routed experts' grouped GEMMs (rows per local expert from tokens x top_k x imbalance) at the
-    cluster's grouped-GEMM efficiency, the shared experts, and the permutation's memory traffic."""
+    routed experts' grouped GEMMs (rows per local expert: routed_rows over the local experts) at the
+    cluster's grouped-GEMM efficiency, the shared experts (tensor-parallel as a dense MLP), and the
+    memory traffic of permuting the rows and of the SwiGLU (`swiglu_bytes` per element)."""
     m = job.model
     e, lay = m.moe, job.knobs.layout
     f = expert_ffn(m) / job.expert_tp
     local = max(1, e.experts // max(1, lay.ep))
-    rows = tokens * e.top_k * e.imbalance
+    rows = routed_rows(job, tokens)
     r = rows / local
     experts = local * (2 * hw.gemm(r, m.dim, f) + hw.gemm(r, f, m.dim)) / max(1e-6, job.cluster.grouped_gemm_efficiency)
     shared_f = e.shared_experts * expert_ffn(m) / lay.tp
     shared = 2 * hw.gemm(tokens, m.dim, shared_f) + hw.gemm(tokens, shared_f, m.dim) if shared_f else 0.0
-    router = hw.gemm(tokens, m.dim, e.experts)
-    # gather rows into expert order, SwiGLU on them, weighted scatter-add back: ~6 passes of a row
-    elem = (6 * rows * m.dim + 10 * rows * f) * hw.elem / hw.hbm
+    router = hw.gemm(tokens / lay.tp, m.dim, e.experts)
+    # gather rows into expert order and scatter-add them back weighted: ~3 reads and writes of a row
+    elem = (6 * rows * m.dim * hw.elem + swiglu_bytes * rows * f * hw.elem / 2) / hw.hbm
     return {"gemm": experts + shared + router, "elem": elem}
 
 
 def dispatch_bytes(job, tokens: int, elem: int) -> float:
     """One all-to-all's buffer on one rank: its T x top_k routed rows (x imbalance on the busiest)."""
-    m = job.model
-    return tokens * m.moe.top_k * m.moe.imbalance * m.dim * elem
+    return routed_rows(job, tokens) * job.model.dim * elem
 
 
 def ep_link(job) -> tuple[int, int]:

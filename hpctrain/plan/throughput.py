@@ -91,6 +91,10 @@ class Software:
     # the residual add after it are not rerun. Megatron's and DeepSpeed's checkpointing rerun the
     # whole forward.
     recompute_last_linear: bool = False
+    # Fraction of expert parallel's all-to-all hidden behind compute: 0 in line (hpctrain, Megatron's
+    # default dispatcher); Megatron-Core's "1F1B overlap" runs one micro-batch's dispatch under another's
+    # compute (its MoE README).
+    ep_overlap: float = 0.0
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
@@ -307,8 +311,8 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     ep_exposed, ep_colls = 0.0, []
     if n_moe:
         # An MoE block's feed-forward in place of the SwiGLU (the two last linears and its elementwise)
-        moe = expert_time(job, hw, tokens)
         b = FUSED_BYTES if (sw.fused or job.knobs.compile) else EAGER_BYTES
+        moe = expert_time(job, hw, tokens, b["swiglu"])
         swiglu = tokens * b["swiglu"] * m.ffn_dim / lay.tp * hw.elem / 2 / hw.hbm
         delta = moe["gemm"] + moe["elem"] - (lf["linears"][2] + lf["linears"][3] + swiglu)
         fwd += n_moe * delta
@@ -317,8 +321,9 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         if lay.ep > 1:  # dispatch + combine, forward and backward, and the recomputed forward's
             count = (4 * n_moe + 2 * recomputed * n_moe / layers) * job.microbatches
             a2a = _coll(job, "ep", "all_to_all", dispatch_bytes(job, tokens, hw.elem), count)
-            a2a.exposed = a2a.total
-            ep_exposed, ep_colls = a2a.total / job.microbatches, [a2a]
+            # what overlaps hides behind the other micro-batch's compute, never more than that compute
+            a2a.exposed = a2a.total - sw.ep_overlap * min(a2a.total, job.microbatches * (fwd + bwd))
+            ep_exposed, ep_colls = a2a.exposed / job.microbatches, [a2a]
 
     mb = job.microbatches
     colls = []
