@@ -46,7 +46,10 @@ LAYOUTS = {
         f"{MOE} parallel.pp=2 parallel.dp_shard=1", f"{QWEN3_MOE} parallel.zero=0",
         # Expert parallel: all-to-all of uneven splits, expert gradients over ep data-parallel ranks.
         f"{MOE} parallel.ep=2", f"{AUX_FREE} parallel.ep=2 parallel.ac=full", f"{QWEN3_MOE} parallel.ep=2",
-        f"{MOE} parallel.ep=2 offload=cpu",  # FSDP2's host parameters: the experts' 2-D DTensors too"parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
+        f"{MOE} parallel.ep=2 offload=cpu",  # FSDP2's host parameters: the experts' 2-D DTensors too
+        # TP on the dense parts: each TP rank routes its share of the sequence, the balancing losses
+        # count the whole micro-batch's slots; QK-norm on each rank's heads
+        f"{MOE} parallel.tp=2 parallel.dp_shard=1", f"{QWEN3_MOE} parallel.tp=2 parallel.dp_shard=1","parallel.zero=1", "parallel.zero=2", "parallel.zero=3", "parallel.zero=0",
         "parallel.tp=2 parallel.dp_shard=1", "parallel.tp=2 parallel.dp_shard=1 parallel.zero=1",
         # TP keeping its gathered sequence-parallel inputs for backward (the default re-gathers them)
         "parallel.tp=2 parallel.dp_shard=1 parallel.sp_regather=false",
@@ -59,6 +62,7 @@ LAYOUTS = {
         f"{MOE} parallel.ep=2",  # ep 2 x the expert weights FSDP-sharded over the other 2 (efsdp)
         f"{MOE} parallel.ep=4", f"{MOE} parallel.ep=2 parallel.pp=2 parallel.dp_shard=2",
         f"{MOE} parallel.ep=2 parallel.dp_replicate=2 parallel.dp_shard=2",  # HSDP, experts replicated over 2
+        f"{MOE} parallel.ep=2 parallel.tp=2 parallel.dp_shard=2",  # experts on the (ep, tp) mesh
         "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1",
         # Replicated parameters over data parallel (DDP, ZeRO-1) composed with TP and with PP.
         *(f"parallel.zero={z} parallel.{d}=2 parallel.dp_shard=2" for z in (0, 1) for d in ("tp", "pp")),

@@ -170,10 +170,6 @@ def _model(cfg: Config):
                        f"Fix: choose parallel.tp among {_divisors(getattr(m, key))}")
         if m.ffn_dim % tp:
             yield f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}"
-    if tp > 1 and (m.moe.experts or m.qk_norm):
-        what = "Mixture-of-Experts layers (model.moe.experts > 0)" if m.moe.experts else "model.qk_norm"
-        yield (f"{what} with tensor parallel (parallel.tp={tp}) is not supported yet. Fix: parallel.tp=1; "
-               "split the experts with parallel.ep instead")
 
 
 @_check

@@ -16,7 +16,7 @@ from torch import nn
 from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import head_dim, moe_layer
 from hpctrain.models.ffn import FeedForward
-from hpctrain.models.moe import MoE, moe_modules
+from hpctrain.models.moe import MoE, local_weight, moe_modules
 
 
 def rope_frequencies(a: ModelConfig, device=None) -> torch.Tensor:
@@ -87,7 +87,11 @@ class RMSNorm(nn.Module):
             xf = x.float()
             out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
         else:
-            out = _RMSNorm.apply(x, self.weight, self.eps)
+            w = self.weight
+            if hasattr(w, "to_local") and not hasattr(x, "to_local"):
+                # QK-norm under tensor parallel: a weight replicated over TP on this rank's local heads
+                w = local_weight(w)
+            out = _RMSNorm.apply(x, w, self.eps)
         # Under autocast (fp32 parameters) the output is fp32 and feeds only matmuls, each of which would
         # cast it to bf16 and keep its own copy for backward (three for wq, wk, wv): cast it once here,
         # the same values autocast would make, so that they share one copy and tensor parallel gathers

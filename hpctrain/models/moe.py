@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -69,7 +70,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor):
         """x (tokens, dim) -> (expert index (tokens, top_k), weight (tokens, top_k) fp32, router logits
         fp32, the probabilities the balancing loss reads (tokens, experts) fp32)."""
-        logits = F.linear(x, self.weight).float()
+        logits = F.linear(x, _local(self.weight)).float()
         if self.kind == "softmax":
             scores = probs = logits.softmax(-1)
         else:
@@ -114,8 +115,18 @@ class Experts(nn.Module):
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    """Expert parallel holds the weights as DTensors sharded by expert; the compute uses this rank's."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    """This rank's part of a weight held as a DTensor (experts sharded by expert parallel; weights
+    replicated over tensor parallel), for compute on this rank's own tokens. A replicated weight then
+    gets a partial gradient (its tokens' share of the sum over the sequence), which DTensor sums over the
+    replicas."""
+    if not hasattr(w, "to_local"):
+        return w
+    from torch.distributed.tensor import Partial, Replicate
+
+    return w.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q for q in w.placements])
+
+
+local_weight = _local
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
@@ -174,14 +185,17 @@ class Routed:
         return out.index_add_(0, self.token, (y.float() * self.weight[:, None]).to(y.dtype))
 
 
-def balance_losses(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, top_k: int):
+def balance_losses(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, tokens: int | None = None):
     """(Switch load-balancing loss, router z-loss) of one micro-batch's tokens, unscaled: experts x
     sum_e f_e P_e, f_e = routed slots of expert e per token (summing to top_k) and P_e = its mean
-    probability (transformers' load_balancing_loss_func for one layer); mean of logsumexp(logits)^2."""
-    tokens = max(1, logits.shape[0])
+    probability (transformers' load_balancing_loss_func for one layer); mean of logsumexp(logits)^2.
+    `tokens` (tensor parallel): the micro-batch's tokens over every TP rank, of which `logits` and
+    `probs` are this rank's share and `counts` the whole's; the results are then this rank's parts of
+    the losses, which sum over the TP ranks to the whole micro-batch's."""
+    tokens = max(1, tokens or logits.shape[0])
     f = counts.float() / tokens
-    aux = probs.shape[-1] * (f * probs.mean(0)).sum()
-    z = torch.logsumexp(logits, -1).pow(2).mean()
+    aux = probs.shape[-1] * (f * probs.sum(0) / tokens).sum()
+    z = torch.logsumexp(logits, -1).pow(2).sum() / tokens
     return aux, z
 
 
@@ -199,6 +213,9 @@ class MoE(nn.Module):
         self.shared = FeedForward(a, e.shared_experts * expert_ffn(a)) if e.shared_experts else None
         # hpctrain.parallel.expert sets it: tokens then travel to the rank holding their expert.
         self.dispatcher = None
+        # hpctrain.parallel.tensor sets it: each TP rank routes its share of the sequence, and the
+        # balancing losses count the routed slots of the whole.
+        self.tp_group = None
         # The weight of one micro-batch in the step's loss (1 / micro-batches; 1 under pipelining,
         # whose schedule scales the gradients itself): what the balancing losses' gradient is scaled by.
         self.aux_scale = 1.0
@@ -221,14 +238,24 @@ class MoE(nn.Module):
             y = self.dispatcher(self.experts, rows, routing.counts)
         out = routing.unpermute(y)
         if self.shared is not None:
-            out = out + self.shared(x)
-        aux, z = balance_losses(logits, probs, routing.routed, self.top_k)
+            s = self.shared
+            w1, w2, w3 = _local(s.w1.weight), _local(s.w2.weight), _local(s.w3.weight)
+            out = out + F.linear(swiglu(F.linear(x, w1), F.linear(x, w3)), w2)
+        counts, tokens = routing.routed, x.shape[0]
+        if self.tp_group is not None:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.tp_group)
+            tokens *= dist.get_world_size(self.tp_group)
+        aux, z = balance_losses(logits, probs, counts, tokens)
         if self.training and torch.is_grad_enabled():
             loss = self.aux_coef * aux + self.z_coef * z
             if loss.requires_grad:
                 out = _AuxGrad.apply(out, loss, self.aux_scale)
         if self.training:
-            self.stats.record(routing.routed, aux, z, routing.dropped)
+            losses = torch.stack([aux.detach(), z.detach()])
+            if self.tp_group is not None:
+                dist.all_reduce(losses, group=self.tp_group)  # the parts of the whole micro-batch's
+            self.stats.record(counts, losses[0], losses[1], routing.dropped)
         return out.reshape(shape)
 
     def reset_parameters(self) -> None:

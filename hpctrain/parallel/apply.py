@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
         if spec.layout.tp > 1:
             apply_tp(part, meshes.world["tp"])
         if spec.layout.ep > 1:
-            apply_ep(part, meshes.ep)
+            apply_ep(part, meshes.ep, meshes.world[("ep", "tp")] if spec.layout.tp > 1 else None)
         if spec.ac != "none":
             apply_ac(part, spec.ac, spec.ac_every)
         if spec.sp_regather:

@@ -21,18 +21,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from hpctrain.models.moe import moe_modules
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> nn.Module:
-    """Shard every MoE layer's experts over `ep_mesh` (a meta-device model: nothing is allocated)."""
+def apply_ep(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> nn.Module:
+    """Shard every MoE layer's experts over `ep_mesh` (a meta-device model: nothing is allocated).
+    With tensor parallel (`ep_tp_mesh`, the (ep, tp) mesh), each expert is also replicated over TP,
+    where every rank computes the rows its own share of the sequence routed to it."""
     ep = ep_mesh.size()
     for moe in moe_modules(model):
         experts = moe.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)])))
+            if ep_tp_mesh is not None:
+                held = distribute_tensor(torch.empty(p.shape, dtype=p.dtype, device="meta"), ep_tp_mesh,
+                                         [Shard(0), Replicate()])
+            else:
+                held = distribute_tensor(p, ep_mesh, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(held))
         experts.grad_scale = 1.0 / ep
         moe.dispatcher = AllToAll(ep_mesh.get_group(), moe.num_experts)
     return model

@@ -95,7 +95,8 @@ def apply_sp_regather(model: nn.Module) -> nn.Module:
             h.ctx, h.saved = None, {}
 
     targets = [b for b in model.layers.values() if not isinstance(b, CheckpointWrapper)]
-    mods = [m for b in targets for m in (b.attention, b.feed_forward)]
+    # An MoE layer takes its sequence shard as it is (hpctrain.parallel.tensor): nothing gathered to keep.
+    mods = [m for b in targets for m in (b.attention, getattr(b, "feed_forward", None)) if m is not None]
     if getattr(model, "output", None) is not None:
         mods.append(model.output)
     for m in mods:

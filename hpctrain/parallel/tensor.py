@@ -9,7 +9,7 @@ computed on the split logits (loss parallel), never materializing the full logit
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -28,7 +28,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
         parallelize_module(model, tp_mesh, root_plan)
 
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                             desired_input_layouts=(Replicate(), None)),
@@ -37,12 +37,38 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        }
+        if hasattr(block, "moe"):
+            # Each TP rank routes its own share of the sequence (Megatron's MoE under sequence parallel):
+            # the layer takes the sequence-parallel shard as a plain tensor and returns its own, which the
+            # residual add takes as the blocks' outputs are taken (local shards).
+            plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True)
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        if hasattr(block, "moe"):
+            replicate_params(block.moe, tp_mesh)
+            block.moe.tp_group = tp_mesh.get_group()
+        if block.attention.q_norm is not None:  # QK-norm weights, applied to each rank's own heads
+            replicate_params(block.attention.q_norm, tp_mesh)
+            replicate_params(block.attention.k_norm, tp_mesh)
     return model
+
+
+def replicate_params(module: nn.Module, tp_mesh) -> None:
+    """Every parameter of `module` as a DTensor replicated over TP. The module computes on each rank's
+    own tokens or heads with the local weight (hpctrain.models.moe.local_weight), whose gradient is then
+    partial and summed over TP; FSDP2 and the gradient norm see a TP parameter like any other."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                sub.register_parameter(name, nn.Parameter(distribute_tensor(p, tp_mesh, [Replicate()])))
 
 
 def keep_grads_like_params(model: nn.Module) -> nn.Module:

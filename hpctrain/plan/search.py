@@ -91,8 +91,6 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
-    if (m.moe.experts or m.qk_norm) and lay.tp > 1:  # what the engine cannot run yet (checks.config_checks)
-        out.append(("MoE/QK-norm with tp", "MoE layers and QK-norm do not run with tensor parallel yet"))
     if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
         out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
                           f"and model.moe.experts={m.moe.experts}"))
