@@ -45,7 +45,12 @@ def test_param_count_arithmetic_matches_model(name):
     model = build_meta(m, 16)
     counts = param_counts(m)
     assert count_params(model) == counts["total"]
-    assert counts["per_block"] == count_params(model.layers["0"])
+    # Every block is dense or routes (model.moe): each kind's count as the arithmetic has it.
+    moe_block = counts["moe_block"] + m.moe.experts * counts["expert"]
+    for i, block in model.layers.items():
+        assert count_params(block) == (moe_block if hasattr(block, "moe") else counts["dense_block"]), i
+    if not m.moe.experts:
+        assert counts["per_block"] == count_params(model.layers["0"])
     assert counts["embedding"] == model.tok_embeddings.weight.numel()
 
 
