@@ -202,30 +202,30 @@ def transformers_moe(kind: str, d: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path, kind):
-    """model=hf from transformers' own MoE checkpoint (per-expert tensors), under FSDP2 and expert
-    parallel (each rank reads only its experts' slices): the first loss is transformers' on the same
-    batch, the second that of transformers + torch's AdamW (balancing loss at config.json's coefficient).
+def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path):
+    """model=hf from transformers' own Mixtral and Qwen3-MoE checkpoints (per-expert tensors) under expert
+    parallel, each rank reading only its experts' slices (one launch for both): the first loss is
+    transformers' on the same batch, the second that of transformers + torch's AdamW (balancing loss at
+    config.json's coefficient). FSDP2 without ep reads the same way as a dense model (tests/test_hf.py).
     Mutant caught: an expert's slice read at another expert's offset, router weights transposed."""
     from reference import reference_run
 
-    d = transformers_moe(kind, tmp_path / "hf")
-    common = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "model=hf", f"model.init_from={d}"]
-    cfg = compose(common)
-    assert cfg.model.moe.experts == 4 and cfg.model.moe.aux_loss_coef == 0.02
-    want = reference_run(cfg, 2, init_dir=d)["loss"]
-    layouts = ["parallel.zero=3", "parallel.ep=2"]
+    dirs = {kind: transformers_moe(kind, tmp_path / kind) for kind in ("mixtral", "qwen3_moe")}
+    common = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "model=hf"]
+    layouts = {f"model.init_from={d} parallel.ep=2": d for d in dirs.values()}
     out = tmp_path / "out.json"
     worker = str(Path(__file__).with_name("hf_worker.py"))
-    assert launch(tmp_path / "ranks", 2, cmd=[sys.executable, worker, "first_loss", str(out), str(d), *layouts]) == 0
+    assert launch(tmp_path / "ranks", 2, cmd=[sys.executable, worker, "first_loss", str(out), str(dirs["mixtral"]),
+                                              *layouts]) == 0
     got = json.loads(out.read_text())
-    for layout in layouts:
+    for layout, d in layouts.items():
+        cfg = compose([*common, f"model.init_from={d}"])
+        assert cfg.model.moe.experts == 4 and cfg.model.moe.aux_loss_coef == 0.02
+        want = reference_run(cfg, 2, init_dir=d)["loss"]
         for step in range(2):
             assert abs(got[layout][step] - want[step]) <= 2e-5 * max(1, want[step]), (layout, got[layout], want)
 
 
-# DeepSeek-V3's routing: the balancing bias, which moves every step, is state a resume must restore.
 EP_COMMON = ("+experiment=tiny", "model=moe_tiny", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01",
              "train.steps=9", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
              "checkpoint.every=3", "checkpoint.keep=3")
