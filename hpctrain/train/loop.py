@@ -97,7 +97,7 @@ class Trainer:
             shard_group=self.dp_mesh.get_group() if self.spec.data_parallel == "replicate_zero1" else None)
         self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
         self.routers = RouterStats(self.parts, cfg.model.moe.experts, cfg.model.moe.bias_update_rate,
-                                   self.dp_mesh.get_group(), self.pp_group)
+                                   self.dp_mesh.get_group(), self.pp_group, device)
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
         self.routers.set_aux_scale(1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None

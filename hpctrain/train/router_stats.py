@@ -17,9 +17,10 @@ from hpctrain.models.moe import moe_modules
 
 
 class RouterStats:
-    def __init__(self, parts: list, experts: int, bias_update_rate: float, dp_group, pp_group=None):
+    def __init__(self, parts: list, experts: int, bias_update_rate: float, dp_group, pp_group=None,
+                 device: torch.device | str = "cpu"):
         self.modules = [m for part in parts for m in moe_modules(part)]
-        self.experts = experts
+        self.experts, self.device = experts, torch.device(device)
         self.rate, self.dp_group, self.pp_group = bias_update_rate, dp_group, pp_group
         self.loads = None  # (layers here, experts): the last step's routed slots, over data parallel
         self.sums = None  # aux, z, dropped, passes summed over this rank's layers, over data parallel
@@ -33,7 +34,7 @@ class RouterStats:
         """Every rank, after each optimizer step: sum the step's loads, move the biases, start afresh."""
         if not self.modules:
             return
-        device = self.modules[0].router.bias.device
+        device = self.device
         loads = torch.stack([m.stats.load.to(device) if m.stats.load is not None
                              else torch.zeros(m.num_experts, device=device) for m in self.modules])
         sums = torch.tensor([[float(m.stats.aux) / max(1, m.stats.passes), float(m.stats.z) / max(1, m.stats.passes),
@@ -60,7 +61,7 @@ class RouterStats:
                                                                          device=share.device)])
             per_expert = share.sum(0)
         else:  # a pipeline stage without MoE layers still joins the collectives
-            lo, hi, total, per_expert = float("inf"), float("-inf"), torch.zeros(4), None
+            lo, hi, total, per_expert = float("inf"), float("-inf"), torch.zeros(4, device=self.device), None
         if self.pp_group is not None:
             device = total.device
             ends = torch.tensor([-lo, hi], device=device)
