@@ -136,6 +136,20 @@ def test_balancing_losses_reach_the_router_gradient_only():
     torch.testing.assert_close(aux.router.weight.grad, ref.router.weight.grad)
 
 
+def test_router_bias_is_checkpointed_state():
+    """DeepSeek-V3's balancing bias moves every step outside the gradient: it is in the state dict a
+    checkpoint saves (a persistent buffer; persistent=False would restart it at zero on every resume), and
+    a meta-device model materialized for any layout starts it at zero."""
+    from hpctrain.models.llama import build_meta
+
+    m = ModelConfig(moe=MoEConfig(experts=4, router="sigmoid", bias_update_rate=0.01))
+    model = build_meta(m, 16)
+    assert {"layers.0.moe.router.bias", "layers.1.moe.router.bias"} <= set(model.state_dict())
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    assert all(float(b.abs().sum()) == 0 for n, b in model.named_buffers() if n.endswith("router.bias"))
+
+
 def test_router_stats_count_a_recomputed_forward_once():
     """Activation checkpointing reruns the forward in backward; the step's load counts it once."""
     from torch.utils.checkpoint import checkpoint
@@ -226,15 +240,14 @@ def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path):
             assert abs(got[layout][step] - want[step]) <= 2e-5 * max(1, want[step]), (layout, got[layout], want)
 
 
-EP_COMMON = ("+experiment=tiny", "model=moe_tiny", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01",
-             "train.steps=9", "train.global_batch=8", "train.micro_batch=2", "optim.warmup_steps=2",
-             "checkpoint.every=3", "checkpoint.keep=3")
+EP_COMMON = ("+experiment=tiny", "model=moe_tiny", "train.steps=9", "train.global_batch=8", "train.micro_batch=2",
+             "optim.warmup_steps=2", "checkpoint.every=3", "checkpoint.keep=3")
 
 
 @pytest.fixture(scope="module")
 def ep2_run(tmp_path_factory):
     """moe_tiny at ep 2 for 9 steps, checkpoints at 3, 6 and 9: the uninterrupted run the resumes are
-    compared with."""
+    compared with, and the checkpoint the export reads."""
     d = tmp_path_factory.mktemp("ep2") / "run"
     run_cli(*EP_COMMON, "parallel.ep=2", f"run.dir={d}")
     return d
@@ -258,8 +271,8 @@ def _losses(run_dir: Path) -> list[float]:
 def test_resume_on_the_same_ep_is_bit_identical_and_on_other_ep_sizes_within_1e_5(tmp_path, ep2_run):
     """ep 2 -> ep 2 from step 3 (bit-identical), ep 2 -> ep 1 (one rank) from step 3, then -> ep 4 from
     step 6 of that run: every loss as the uninterrupted ep 2 run's, the data position carried over.
-    Mutant caught: experts resharded in the wrong order, the router bias (persistent=False) or the data
-    position not restored."""
+    Mutant caught: experts resharded in the wrong order, the data position not restored. (The balancing
+    bias a resume must restore too: test_router_bias_is_checkpointed_state.)"""
     want = _losses(ep2_run)
     assert len(want) == 9
     rows = read_metrics(ep2_run)
@@ -283,7 +296,7 @@ def test_resume_on_the_same_ep_is_bit_identical_and_on_other_ep_sizes_within_1e_
 
 
 @pytest.mark.slow
-def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path, ep2_run):
     """--format hf of the ep 2 checkpoint: MixtralForCausalLM loads it with no missing or unexpected key
     and gives the logits of hpctrain's model loaded from the one-file export of the same checkpoint (our
     names, consolidated by DCP: no Hugging Face naming in that path)."""
@@ -292,9 +305,8 @@ def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(t
     from hpctrain.core.compose import load
     from hpctrain.models.llama import Llama
 
-    run = tmp_path / "run"
-    run_cli("+experiment=tiny", "model=moe_tiny", "train.steps=2", "checkpoint.every=2", "parallel.ep=2", f"run.dir={run}")
-    step = run / "checkpoints" / "step-00000002"
+    run = ep2_run
+    step = run / "checkpoints" / "step-00000009"
     proc = run_cli("export", str(step), str(tmp_path / "hf"), "--format", "hf", module="hpctrain.checkpoint")
     assert "MixtralForCausalLM" in proc.stdout
     theirs, info = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
