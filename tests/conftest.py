@@ -18,6 +18,17 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 NODES = 2  # emulated nodes the Slurm tests need
 
 
+# What a test file costs in a full run on 2 cores (seconds, summed --durations of its tests; the Slurm
+# tests are one group of their own): only the order matters, a file not listed comes after these.
+COSTLY = {"test_checkpoint_resume.py": 410, "test_layouts.py": 280, "test_moe.py": 235, "test_supervise.py": 235,
+          "test_readme.py": 195, "test_trackers.py": 170, "test_sp_regather.py": 160, "test_config.py": 125,
+          "test_published.py": 115, "test_engine_promises.py": 115, "test_train_dist.py": 110, "test_hf.py": 105,
+          "test_offload.py": 100, "test_validation.py": 90, "test_report.py": 80, "test_checkpoint_damage.py": 80,
+          "test_serializers.py": 80, "test_k8s.py": 55, "test_multirun.py": 55, "test_profile.py": 45,
+          "test_plan.py": 45, "test_mpi.py": 40, "test_container.py": 40, "test_bench_collectives.py": 40,
+          "test_corpus.py": 35, "test_launcher.py": 25, "test_sbatch.py": 25}
+
+
 # Fixtures that start ranks, train a model or build a tokenizer: a test that uses one is slow.
 SLOW_FIXTURES = {"example_corpus", "example_shards", "world_of_one", "probed", "measured", "pipelined"}
 
@@ -35,9 +46,11 @@ def pytest_collection_modifyitems(config, items):
     # (on the scheduler, on a job's time limit, on a hang to be noticed), so they run one after another on
     # one worker, from the start, while the other worker runs the rest; one Slurm is enough for them.
     # Every other file is one unit, so its module fixtures launch their ranks once.
+    # The files are then handed out costliest first (longest-processing-time first), so that no long file
+    # starts last and runs alone on one worker while the others have finished.
     for item in items:
         item.add_marker(pytest.mark.xdist_group("slurm" if on_slurm(item) else item.path.name))
-    items.sort(key=lambda item: not on_slurm(item))
+    items.sort(key=lambda item: (not on_slurm(item), -COSTLY.get(item.path.name, 0)))
 
 
 def on_slurm(item) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from hpctrain.core import hf_format as hf
 from hpctrain.core.compose import compose
@@ -39,6 +40,17 @@ def test_presets_have_the_published_parameter_counts(name):
     total, active, rounding = PUBLISHED[name]
     c = param_counts(compose(["+experiment=tiny", f"model={name}"]).model)
     assert abs(c["total"] - total) <= rounding and abs(c["active"] - active) <= rounding, (c["total"], c["active"])
+
+
+@given(st.integers(0, 200), st.integers(0, 9), st.integers(0, 210), st.integers(0, 5))
+def test_moe_layer_count_is_the_count_of_moe_layers(n_layers, experts, first_dense, every):
+    """The planner's arithmetic count against the per-block rule the model is built from. Mutant caught:
+    first_dense counted as a block index instead of a count (one routing block too many or too few)."""
+    from hpctrain.core.shape import moe_layer_count, moe_layers
+
+    m = replace(ModelConfig(), n_layers=n_layers, moe=replace(MoEConfig(), experts=experts, first_dense=first_dense,
+                                                                every=every))
+    assert moe_layer_count(m) == len(moe_layers(m))
 
 
 def test_deepseek_v3_sized_preset_is_within_half_a_percent_of_the_published_counts():

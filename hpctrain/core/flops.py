@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from hpctrain.core.schema import ModelConfig
-from hpctrain.core.shape import expert_ffn, head_dim as _head_dim, moe_layers
+from hpctrain.core.shape import expert_ffn, head_dim as _head_dim, moe_layer_count
 
 
 def param_counts(m: ModelConfig) -> dict:
@@ -19,7 +19,7 @@ def param_counts(m: ModelConfig) -> dict:
     attn += 2 * hd if m.qk_norm else 0
     norms = 2 * m.dim
     dense_block = attn + 3 * m.dim * m.ffn_dim + norms
-    n_moe = len(moe_layers(m))
+    n_moe = moe_layer_count(m)
     e, f = m.moe, expert_ffn(m)
     expert = 3 * m.dim * f
     shared = e.shared_experts * expert

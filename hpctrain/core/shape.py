@@ -25,6 +25,14 @@ def moe_layers(m: ModelConfig) -> list[int]:
     return [i for i in range(m.n_layers) if moe_layer(m, i)]
 
 
+def moe_layer_count(m: ModelConfig) -> int:
+    """len(moe_layers(m)) by arithmetic: the planner asks for it for every layout it weighs."""
+    if m.moe.experts <= 0:
+        return 0
+    every = max(1, m.moe.every)  # blocks i in [first_dense, n_layers) with i + 1 a multiple of every
+    return max(0, m.n_layers // every - min(m.moe.first_dense, m.n_layers) // every)
+
+
 def expert_ffn(m: ModelConfig) -> int:
     """Hidden width of one routed expert: moe.ffn_dim, or model.ffn_dim when unset."""
     return m.moe.ffn_dim or m.ffn_dim
