@@ -122,22 +122,23 @@ def _launcher(cfg: Config):
 @_check
 def _layout(cfg: Config):
     p = cfg.parallel
-    if min(p.pp, p.dp_replicate, p.tp) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
+    if min(p.pp, p.dp_replicate, p.tp, p.cp) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
         return
     world = world_size(cfg)
     where = (f"launcher.nproc={world}" if cfg.launcher.name == "local" else
              f"cluster.nodes={cfg.cluster.nodes} x {'cluster.gpus_per_node' if cfg.cluster.gpus_per_node else 'cluster.tasks_per_node'}"
              f"={cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node}")
-    fixed = p.pp * p.dp_replicate * p.tp
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    cp = f" x parallel.cp={p.cp}" if p.cp > 1 else ""
     if p.dp_shard == -1:
         if world % fixed:
-            yield (f"parallel.pp={p.pp} x parallel.dp_replicate={p.dp_replicate} x parallel.tp={p.tp} = {fixed} "
+            yield (f"parallel.pp={p.pp} x parallel.dp_replicate={p.dp_replicate}{cp} x parallel.tp={p.tp} = {fixed} "
                    f"does not divide the {world} ranks the launcher provides ({where}). "
                    f"Fix: make the world size a multiple of {fixed}, or change the parallel sizes")
         return
     product = fixed * p.dp_shard
     if product != world:
-        yield (f"parallel sizes pp={p.pp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
+        yield (f"parallel sizes pp={p.pp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}{cp.replace('parallel.', '')} x tp={p.tp} "
                f"= {product}, but the launcher provides {world} ranks ({where}). "
                f"Fix: set parallel.dp_shard=-1 to use all ranks, or make the product equal {world}")
 
@@ -193,6 +194,44 @@ def _expert_parallel(cfg: Config):
         yield (f"parallel.ep={p.ep} with parallel.zero={p.zero}: expert parallel runs on FSDP2, whose gradient "
                "reduction knows the experts are split (DDP would average different experts' gradients). "
                "Fix: parallel.zero=2 or 3")
+
+
+@_check
+def _context_parallel(cfg: Config):
+    """parallel.cp: whole chunks per rank, on the engines that know the cp ranks share samples."""
+    p, d = cfg.parallel, cfg.data
+    if p.cp < 1:
+        yield f"parallel.cp={p.cp} must be at least 1 (1 = no context parallelism)"
+        return
+    if p.cp == 1:
+        return
+    if d.seq_len % (2 * p.cp):
+        yield (f"data.seq_len={d.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp}: each cp rank holds two "
+               f"equal chunks of every sequence. Fix: data.seq_len={(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}, or "
+               f"parallel.cp among {[c for c in _divisors(d.seq_len // 2)][:8]}")
+    if p.ep > 1:
+        yield (f"parallel.cp={p.cp} with parallel.ep={p.ep}: context and expert parallel do not compose yet. "
+               "Fix: parallel.ep=1, or parallel.cp=1")
+
+
+@_check
+def _documents(cfg: Config):
+    """data.document_mask: an end-of-document id to find the documents by."""
+    d = cfg.data
+    if d.document_positions and not d.document_mask:
+        yield "data.document_positions=true restarts positions per document, which needs data.document_mask=true"
+    if d.synthetic_doc_len < 0:
+        yield f"data.synthetic_doc_len={d.synthetic_doc_len} must be 0 (one document per sequence) or a mean length"
+    if d.eos_id >= cfg.model.vocab_size:
+        yield (f"data.eos_id={d.eos_id} is not a token of the model's vocabulary (model.vocab_size="
+               f"{cfg.model.vocab_size}). Fix: an id below {cfg.model.vocab_size}, or -1 for the shards' own")
+    if not d.document_mask:
+        if d.synthetic_doc_len and d.source == "synthetic" and d.eos_id < 0:
+            yield "data.synthetic_doc_len needs data.eos_id: the token that ends each synthetic document"
+        return
+    if d.source == "synthetic" and d.eos_id < 0:
+        yield ("data.document_mask=true on synthetic data needs data.eos_id (and data.synthetic_doc_len for "
+               "documents shorter than a sequence). Fix: data.eos_id=<an id below model.vocab_size>")
 
 
 @_check

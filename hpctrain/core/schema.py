@@ -45,6 +45,7 @@ WandbMode = _choice("WandbMode", "offline online disabled")
 Backend = _choice("Backend", "auto gloo nccl")
 Device = _choice("Device", "cpu cuda")
 Router = _choice("Router", "softmax sigmoid")
+CPAttention = _choice("CPAttention", "allgather ring")
 
 
 @dataclass
@@ -190,6 +191,18 @@ class ParallelConfig:
     sharded gradients: their memory promise) or once per step (DDP/ZeRO-1; ZeRO-2/3 then accumulate an
     unsharded fp32 gradient, less traffic, more memory). auto: microbatch for ZeRO-2/3, step otherwise
     and with pipelining (torch's pipeline stages sync on the last backward)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks, attention computed across them. Each
+    rank holds two of the sequence's 2 x cp chunks, an early and a late one (causal attention then costs
+    every rank the same), and the RoPE positions of its chunks; the cp ranks see the same samples and
+    share the parameter sharding with dp_shard. data.seq_len must be divisible by 2 x cp.
+    pp x dp_replicate x dp_shard x cp x tp must equal the world size."""
+    cp_attention: CPAttention = CPAttention("allgather")
+    """How K and V reach the other cp ranks. allgather: each layer all-gathers them, then attends
+    (Llama 3's choice: with grouped-query attention K/V are a small part of the activations, and one
+    collective is simple to overlap); ring: they travel round the cp ranks in cp - 1 steps, each step's
+    transfer overlapping the attention on the previous chunk, and no rank holds all of them (the memory
+    floor for the longest sequences). The planner prices both."""
     sp_regather: bool = True
     """With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
     gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead
@@ -248,6 +261,18 @@ class DataConfig:
     Every source must come from the same tokenizer; validation mixes their val splits alike."""
     seq_len: int = 64
     """Tokens per training sequence."""
+    document_mask: bool = False
+    """Packed sequences hold several documents, each ending with the end-of-document token: no token
+    attends to another document's (Llama 3's mask). The end-of-document id comes from the shards'
+    meta.json, or data.eos_id."""
+    document_positions: bool = False
+    """With document_mask: RoPE positions restart at 0 with each document, as if it were trained alone."""
+    eos_id: int = -1
+    """The end-of-document token id: -1 takes the shards' (meta.json's eos_id). Synthetic data with
+    eos_id set packs documents of synthetic_doc_len tokens on average, each ending with it."""
+    synthetic_doc_len: int = 0
+    """Synthetic data: the mean document length (lengths drawn from an exponential distribution), 0 =
+    one document per sequence and no end-of-document token."""
     seed: int = 1234
     """Seed of the sample order (shuffled anew each epoch), the mixture's draws and the synthetic data."""
 

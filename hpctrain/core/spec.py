@@ -32,10 +32,11 @@ class Layout:
     dp_shard: int
     tp: int
     ep: int = 1  # expert parallel: a split of dp_shard (its ranks see different data too)
+    cp: int = 1  # context parallel: ranks splitting each sequence (they see the same samples)
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -44,7 +45,8 @@ class Layout:
 
     def describe(self) -> str:
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
-        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{ep} "
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard}{ep}{cp} "
                 f"x tp {self.tp} = {self.world} ranks")
 
 
@@ -150,6 +152,8 @@ class Knobs:
     grad_sync: str = "auto"  # auto | step | microbatch (grad_sync() resolves auto)
     compile: bool = False
     sp_regather: bool = True  # applied with TP, uncompiled (EngineSpec.sp_regather)
+    cp_attention: str = "allgather"  # allgather | ring: how K/V reach the other cp ranks
+    document_mask: bool = False  # no attention across the documents packed in a sequence
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,10 @@ class EngineSpec:
         return str(self.knobs.ac)
 
     @property
+    def cp_attention(self) -> str:
+        return str(self.knobs.cp_attention)
+
+    @property
     def ac_every(self) -> int:
         return self.knobs.ac_every
 
@@ -222,9 +230,9 @@ def layout_of(cfg: Config, world: Optional[int] = None) -> Layout:
     world = world_size(cfg) if world is None else world
     dp_shard = p.dp_shard
     if dp_shard == -1:
-        rest = p.pp * p.dp_replicate * p.tp
+        rest = p.pp * p.dp_replicate * p.cp * p.tp
         dp_shard = world // rest if rest > 0 and world % rest == 0 else 0
-    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, ep=p.ep)
+    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, ep=p.ep, cp=p.cp)
 
 
 def data_parallel(zero: int, dp: int, tp: int = 1, pp: int = 1) -> str:
@@ -255,7 +263,7 @@ def dtypes(precision: str, zero: int) -> Dtypes:
 def sharding(zero: int, layout: Layout) -> Sharding:
     """ZeRO shards within dp_shard and replicates across dp_replicate (HSDP). With pipelining each
     block runs once per micro-batch, so ZeRO-3 keeps a stage's parameters gathered for the step."""
-    return Sharding(group=layout.dp_shard if zero >= 1 else 1, optimizer=zero >= 1, grads=zero >= 2,
+    return Sharding(group=layout.dp_shard * layout.cp if zero >= 1 else 1, optimizer=zero >= 1, grads=zero >= 2,
                     params=zero >= 3, reshard_after_forward=zero == 3 and layout.pp == 1)
 
 
@@ -513,7 +521,8 @@ def knobs_of(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple
                  schedule=str(p.pp_schedule), virtual_stages=p.pp_virtual_stages,
                  pp_layers=tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers),
                  offload=str(cfg.offload.target), master_on_nvme=bool(cfg.offload.master_on_nvme),
-                 grad_sync=str(p.grad_sync), compile=bool(t.compile), sp_regather=bool(p.sp_regather))
+                 grad_sync=str(p.grad_sync), compile=bool(t.compile), sp_regather=bool(p.sp_regather),
+                 cp_attention=str(p.cp_attention), document_mask=bool(cfg.data.document_mask))
 
 
 def placement_of(cfg: Config, world: int) -> tuple[int, int]:
@@ -536,7 +545,7 @@ def build(model: ModelConfig, k: Knobs, *, nodes: int = 1, ranks_per_node: int =
     """The spec of these knobs on `nodes` x `ranks_per_node` (the planner prices thousands this way)."""
     lay, zero = k.layout, int(k.zero)
     return EngineSpec(
-        knobs=k, data_parallel=data_parallel(zero, lay.dp, lay.tp, lay.pp),
+        knobs=k, data_parallel=data_parallel(zero, lay.dp * lay.cp, lay.tp, lay.pp),
         dtypes=dtypes(k.precision, zero), sharding=sharding(zero, lay),
         placement=placement(k.offload, zero, lay.tp, k.master_on_nvme),
         pipeline=pipeline(model, lay.pp, k.schedule, k.virtual_stages, k.pp_layers),

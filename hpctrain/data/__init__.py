@@ -14,8 +14,23 @@ def build_dataset(cfg: Config, split: str = "train"):
     token ids (input and target)."""
     d = cfg.data
     if d.source == "synthetic":
-        return SyntheticDataset(cfg.model.vocab_size, d.seq_len, d.seed, split)
+        return SyntheticDataset(cfg.model.vocab_size, d.seq_len, d.seed, split, eos_id=d.eos_id,
+                                doc_len=d.synthetic_doc_len)
     if not d.sources:
         return ShardDataset(d.path, d.seq_len, split)
     return Mixture([ShardDataset(s.path, d.seq_len, split) for s in d.sources],
                    [float(s.weight) for s in d.sources], d.seed)
+
+
+def eos_id(cfg: Config) -> int | None:
+    """The end-of-document token: data.eos_id, else the shards' (meta.json), else None."""
+    d = cfg.data
+    if d.eos_id >= 0:
+        return d.eos_id
+    if d.source == "synthetic":
+        return None
+    from hpctrain.data.shards import read_meta
+
+    meta = read_meta(d.sources[0].path if d.sources else d.path) or {}
+    eos = meta.get("eos_id")
+    return int(eos) if isinstance(eos, int) and eos >= 0 else None

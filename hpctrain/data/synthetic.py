@@ -13,10 +13,20 @@ VAL_OFFSET = 2**62
 
 
 class SyntheticDataset:
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, split: str = "train"):
+    """eos_id >= 0 and doc_len > 0: packed documents of doc_len tokens on average (exponentially
+    distributed lengths), each starting at a random token, following the rule and ending with eos_id,
+    which never occurs inside one."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, split: str = "train", eos_id: int = -1,
+                 doc_len: int = 0):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.offset = VAL_OFFSET if split == "val" else 0
         self.perm = np.random.default_rng([seed, 0xC0FFEE]).permutation(vocab_size)
+        self.eos, self.doc_len = eos_id, doc_len if eos_id >= 0 else 0
+        if self.doc_len:  # the rule skips eos_id
+            self.next = self.perm.copy()
+            self.next[self.next == eos_id] = self.perm[eos_id]
+            self.next[eos_id] = eos_id
 
     def __len__(self) -> int:
         return VAL_OFFSET  # effectively endless: every index is a fresh sequence
@@ -24,7 +34,25 @@ class SyntheticDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.offset + index])
         out = np.empty(self.seq_len + 1, dtype=np.int64)
+        if self.doc_len:
+            return self._documents(rng, out)
         out[0] = rng.integers(self.vocab_size)
         for i in range(self.seq_len):
             out[i + 1] = self.perm[out[i]]
+        return out
+
+    def _start(self, rng) -> int:
+        t = int(rng.integers(self.vocab_size - 1))
+        return t + (t >= self.eos)  # any token but eos_id
+
+    def _documents(self, rng, out: np.ndarray) -> np.ndarray:
+        left = 1 + int(rng.exponential(self.doc_len))  # tokens before this document's end
+        out[0] = self._start(rng)
+        for i in range(self.seq_len):
+            if out[i] == self.eos:
+                out[i + 1] = self._start(rng)
+                left = 1 + int(rng.exponential(self.doc_len))
+                continue
+            left -= 1
+            out[i + 1] = self.eos if left <= 0 else self.next[out[i]]
         return out

@@ -15,17 +15,21 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hpctrain.core.spec import Layout
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EP_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 
 
 @dataclass
 class Meshes:
     world: object  # the DeviceMesh of every dimension
-    dp: object  # every data-parallel rank as one dimension (loss and token reductions, DDP)
-    fsdp: object  # what FSDP shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP
+    dp: object  # every rank of a different data-parallel or cp rank as one dimension (loss, gradients, DDP)
+    fsdp: object  # what FSDP shards over: dp_shard (x cp), or (dp_replicate, dp_shard (x cp)) for HSDP
     ep: Optional[object] = None  # expert parallel: the ranks that split each MoE layer's experts
     efsdp: Optional[object] = None  # what FSDP shards each expert's weights over (HSDP: with dp_replicate)
+    # The ranks that read different samples: dp without the cp ranks, who split each sample's sequence
+    # (torchtitan's way: cp ranks are data-parallel ranks for the gradients and the parameter sharding).
+    data: Optional[object] = None
+    cp: Optional[object] = None  # context parallel: the ranks splitting each sequence
 
 
 def build_mesh(layout: Layout, device_type: str) -> Meshes:
@@ -33,9 +37,16 @@ def build_mesh(layout: Layout, device_type: str) -> Meshes:
         return _expert_mesh(layout, device_type)
     shape = tuple(getattr(layout, d) for d in DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-    dp = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    fsdp = mesh[("dp_replicate", "dp_shard")] if layout.dp_replicate > 1 else mesh["dp_shard"]
-    return Meshes(world=mesh, dp=dp, fsdp=fsdp)
+    if layout.cp == 1:
+        dp = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        fsdp = mesh[("dp_replicate", "dp_shard")] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        return Meshes(world=mesh, dp=dp, fsdp=fsdp, data=dp)
+    data = mesh[("dp_replicate", "dp_shard")]._flatten("data")
+    dp = mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp")
+    shard = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    # HSDP's 2-D mesh is sliced from the root by the flattened name (torch warns that this will change)
+    fsdp = mesh[("dp_replicate", "dp_shard_cp")] if layout.dp_replicate > 1 else shard
+    return Meshes(world=mesh, dp=dp, fsdp=fsdp, data=data, cp=mesh["cp"])
 
 
 def _expert_mesh(layout: Layout, device_type: str) -> Meshes:
@@ -47,4 +58,4 @@ def _expert_mesh(layout: Layout, device_type: str) -> Meshes:
     # HSDP's 2-D mesh is sliced from the root by the flattened name (torch warns that this will change)
     fsdp = mesh[("dp_replicate", "dp_shard")] if hsdp else dp_shard
     efsdp = mesh[("dp_replicate", "efsdp")] if hsdp else mesh["efsdp"]
-    return Meshes(world=mesh, dp=dp, fsdp=fsdp, ep=mesh["ep"], efsdp=efsdp)
+    return Meshes(world=mesh, dp=dp, fsdp=fsdp, ep=mesh["ep"], efsdp=efsdp, data=dp)

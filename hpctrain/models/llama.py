@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import head_dim, moe_layer
+from hpctrain.models.attention import causal_attention
 from hpctrain.models.ffn import FeedForward
 from hpctrain.models.moe import MoE, local_weight, moe_modules
 
@@ -42,13 +42,19 @@ def rope_tables(a: ModelConfig, max_seq_len: int, device=None) -> torch.Tensor:
     return torch.stack((angles.cos(), angles.sin()))
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x (batch, seq, heads, head_dim) by each position's angles, channel i paired with channel
     i + head_dim/2 (the "rotate half" layout of Hugging Face's Llama, so that its checkpoints load
-    as they are; Meta's original pairs 2i with 2i+1, which conversions permute)."""
-    seq = x.shape[1]
-    cos = rope[0, :seq].view(1, seq, 1, -1)
-    sin = rope[1, :seq].view(1, seq, 1, -1)
+    as they are; Meta's original pairs 2i with 2i+1, which conversions permute). `positions`
+    (batch, seq): each token's position, where it is not its index (context-parallel chunks, positions
+    restarting per document)."""
+    b, seq = x.shape[:2]
+    if positions is None:
+        cos = rope[0, :seq].view(1, seq, 1, -1)
+        sin = rope[1, :seq].view(1, seq, 1, -1)
+    else:
+        cos = rope[0][positions].view(b, seq, 1, -1)
+        sin = rope[1][positions].view(b, seq, 1, -1)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
@@ -115,8 +121,11 @@ class Attention(nn.Module):
         # Qwen3: each query and key head normalized before RoPE.
         self.q_norm = RMSNorm(self.head_dim, a.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, a.norm_eps) if a.qk_norm else None
+        # (q, k, v, documents) -> out; context parallelism puts its own in place (hpctrain.parallel.context)
+        self.kernel = causal_attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head counts: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -124,10 +133,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope, positions), apply_rope(k, rope, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = self.kernel(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -144,8 +152,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(a)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions, documents)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -163,11 +172,15 @@ class Llama(nn.Module):
         # Not persistent: derived from the config, so checkpoints never carry it.
         self.register_buffer("rope", rope_tables(a, max_seq_len), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq), or the hidden states on a later pipeline stage. positions (batch, seq):
+        each token's position where it is not its index; documents (batch, seq): a document id per token,
+        no token attending to another document's (data.document_mask)."""
         # Any of these may be None on a pipeline stage that does not own it.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, self.rope, positions, documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

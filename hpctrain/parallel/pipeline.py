@@ -51,7 +51,8 @@ def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn):
 
 
 def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn, device) -> "torch.Tensor":
-    """Mean loss of `micro` [(inputs, targets)] through every stage in order, forward only.
+    """Mean loss of `micro` [(inputs, targets, model keyword arguments)] through every stage in order,
+    forward only.
 
     `stages` maps this rank's stage indices to their modules; `owner[s]` is the pipeline rank of stage
     s. torch's schedules run forward-only passes (`eval`) for some kinds only (not the V-shaped ones),
@@ -61,7 +62,8 @@ def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn,
     """
     total = torch.zeros((), device=device)
     last = len(owner) - 1
-    for x, y in micro:
+    for x, y, kw in micro:
+        kw = {k: v.to(device) for k, v in kw.items()}
         h = None
         for s, rank in enumerate(owner):
             if rank == me:
@@ -70,7 +72,7 @@ def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn,
                     dist.recv(shape, group_src=owner[s - 1], group=group)
                     h = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
                     dist.recv(h, group_src=owner[s - 1], group=group)
-                h = stages[s](x.to(device) if s == 0 else h)
+                h = stages[s](x.to(device) if s == 0 else h, **kw)
                 if s < last and owner[s + 1] != me:
                     dist.send(torch.tensor(h.shape, dtype=torch.int64, device=device), group_dst=owner[s + 1], group=group)
                     dist.send(h.float().contiguous(), group_dst=owner[s + 1], group=group)

@@ -19,7 +19,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
-from hpctrain.data import build_dataset
+from hpctrain.data import build_dataset, eos_id
+from hpctrain.train.batch import BatchLayout
 from hpctrain.train.sampler import StepSampler
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models.llama import build_meta, init_param_
@@ -101,8 +102,11 @@ class Trainer:
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
         self.routers.set_aux_scale(1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
+        self.batch = BatchLayout(eos_id(cfg), cfg.data.document_mask, cfg.data.document_positions,
+                                 self.meshes.cp.get_local_rank() if self.meshes.cp is not None else 0,
+                                 self.spec.layout.cp)
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
-                                   self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
+                                   self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
         self.progress = Progress()
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, {
             "model": ModelState(self.parts),
@@ -183,23 +187,28 @@ class Trainer:
     def _forward_backward(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x, y, kw = self._on_device(*self.batch(x, y))
             with self._sync_context(i == len(micro) - 1), self._compute_context():
                 with self._phase("forward"):
-                    loss = self.loss_fn(self.parts[0](x), y) / len(micro)
+                    loss = self.loss_fn(self.parts[0](x, **kw), y) / len(micro)
                 with self._phase("backward"):
                     loss.backward()
             loss_sum += _plain(loss.detach())
         return loss_sum
 
+    def _on_device(self, x, y, kw):
+        kw = {k: v.to(self.device, non_blocking=True) for k, v in kw.items()}
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), kw
+
     def _pipeline_forward_backward(self, micro) -> torch.Tensor:
-        x = torch.cat([m[0] for m in micro]).to(self.device)
-        y = torch.cat([m[1] for m in micro]).to(self.device)
+        x, y, kw = self._on_device(*self.batch(torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])))
         losses: list = []
         args = (x,) if self.par.first else ()
         with self._compute_context():
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits.
-            self.schedule.step(*args, target=y if self.par.last else None, losses=losses, return_outputs=False)
+            # kw (positions, documents) reach every stage's forward, split into micro-batches as x is.
+            self.schedule.step(*args, target=y if self.par.last else None, losses=losses, return_outputs=False,
+                               **kw)
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
         loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
                 else torch.zeros((), device=self.device))
@@ -234,7 +243,7 @@ class Trainer:
         if self._val_data is None:
             self._val_data = build_dataset(cfg, "val")
         sampler = StepSampler(self._val_data, cfg.train.global_batch, cfg.train.micro_batch,
-                              self.dp_mesh.get_local_rank(), self.dp_mesh.size(), cfg.data.seed)
+                              self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
         total = torch.zeros((), device=self.device)
         for part in self.parts:
             part.eval()
@@ -253,15 +262,17 @@ class Trainer:
         if self.schedule is None:
             loss = torch.zeros((), device=self.device)
             for x, y in micro:
+                x, y, kw = self._on_device(*self.batch(x, y))
                 with self._compute_context():
-                    logits = self.parts[0](x.to(self.device))
-                    loss += _plain(self.loss_fn(logits, y.to(self.device)).detach()) / len(micro)
+                    logits = self.parts[0](x, **kw)
+                    loss += _plain(self.loss_fn(logits, y).detach()) / len(micro)
             return loss
         p = self.spec.pipeline
         owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]
         with self._compute_context():
             loss = forward_only(dict(zip(self.par.stage_indices, self.parts)), owner,
-                                self.meshes.world["pp"].get_local_rank(), self.pp_group, micro,
+                                self.meshes.world["pp"].get_local_rank(), self.pp_group,
+                                [self.batch(x, y) for x, y in micro],
                                 lambda out, y: _plain(self.loss_fn(out, y)), self.device)
         dist.all_reduce(loss, group=self.pp_group)  # from the rank of the last stage to every pp rank
         return loss
