@@ -93,7 +93,7 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
         x, y = rows[:, :-1], rows[:, 1:]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o, total)
-        out = model(input_ids=x, **({"output_router_logits": True} if moe.experts else {}))
+        out = model(input_ids=x, **packed(x, cfg.data), **({"output_router_logits": True} if moe.experts else {}))
         loss = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
         balance = 0.0
         if moe.experts:
@@ -114,9 +114,28 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
     val_data = build_dataset(cfg, "val")
     rows = torch.stack([torch.as_tensor(val_data[i]) for i in range(cfg.eval.batches * B)])
     with torch.no_grad():
-        logits = model(input_ids=rows[:, :-1]).logits
+        logits = model(input_ids=rows[:, :-1], **packed(rows[:, :-1], cfg.data)).logits
         val = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
     return {"loss": losses, "grad_norm": norms, "val": val}
+
+
+def packed(x: torch.Tensor, data) -> dict:
+    """transformers' arguments for hpctrain's data.document_mask: a 4-D additive attention mask that keeps
+    each token to the earlier tokens of its own document (the end-of-document token is its document's
+    last), and with data.document_positions, position ids restarting at each document."""
+    if not data.document_mask:
+        return {}
+    b, s = x.shape
+    docs = torch.zeros_like(x)
+    pos = torch.zeros_like(x)
+    for i in range(b):
+        d = p = 0
+        for t in range(s):
+            docs[i, t], pos[i, t] = d, p
+            d, p = (d + 1, 0) if int(x[i, t]) == data.eos_id else (d, p + 1)
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    mask = torch.zeros(b, 1, s, s).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    return {"attention_mask": mask, **({"position_ids": pos} if data.document_positions else {})}
 
 
 def route_by_sigmoid(model, top_k: int) -> list:

@@ -26,7 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpip
 # Uneven pipeline splits: 3 blocks over 2 stages (automatic: 2+1, the output layer outweighs the
 # embedding), over 4 stages of V-shaped and interleaved schedules (automatic 1+1+1+0: the last stage
 # holds only the output layer), and parallel.pp_layers given (a first stage of the embedding alone).
-# A layout's model.* overrides get a reference of their own.
+# A layout's model.* and data.* overrides get a reference of their own.
 UNEVEN = "model.n_layers=3 parallel.pp=2 parallel.dp_shard=1"
 # The blocks each rank then holds: V-shaped schedules put stages 0 and 3 on rank 0, interleaved ones 0 and 2.
 UNEVEN_BLOCKS = {UNEVEN: [[0, 1], [2]],
@@ -40,6 +40,12 @@ MOE = "model.moe.experts=4 model.moe.aux_loss_coef=0.01 model.moe.z_loss_coef=0.
 QWEN3_MOE = ("model.moe.experts=4 model.moe.ffn_dim=64 model.qk_norm=true model.head_dim=16 model.moe.every=2 "
              "model.moe.aux_loss_coef=0.01")
 AUX_FREE = "model.moe.experts=4 model.moe.router=sigmoid model.moe.bias_update_rate=0.01"
+# Context parallel (seq 64: chunks of 16 tokens at cp 2, 8 at cp 4), on packed documents of ~12 tokens
+# (transformers' Llama given the equivalent 4-D mask as the reference), positions restarting per document
+# in some; all-gather and ring K/V.
+DOCS = "data.document_mask=true data.eos_id=255 data.synthetic_doc_len=12"
+DOCS_POS = f"{DOCS} data.document_positions=true"
+RING = "parallel.cp_attention=ring"
 LAYOUTS = {
     # (the grouped GEMM against the loop: tests/test_moe.py, one process)
     1: [MOE, QWEN3_MOE],
@@ -58,7 +64,8 @@ LAYOUTS = {
         "parallel.zero=3 parallel.ac=full", "parallel.zero=2 parallel.ac=selective",
         "parallel.zero=3 parallel.grad_sync=step", "parallel.zero=2 parallel.grad_sync=step",
         "parallel.zero=0 parallel.grad_sync=microbatch",
-        *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS],
+        *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS,
+        DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full"],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
         f"{MOE} parallel.ep=2",  # ep 2 x the expert weights FSDP-sharded over the other 2 (efsdp)
         f"{MOE} parallel.ep=2 parallel.pp=2 parallel.dp_shard=2",
@@ -69,13 +76,21 @@ LAYOUTS = {
         *(f"parallel.zero={z} parallel.{d}=2 parallel.dp_shard=2" for z in (0, 1) for d in ("tp", "pp")),
         # ... under the multi-stage schedules too (gradients synced on each stage's last backward)
         "parallel.zero=1 parallel.pp=2 parallel.dp_shard=2 parallel.pp_schedule=interleaved_1f1b",
-        "parallel.zero=0 parallel.pp=2 parallel.dp_shard=2 parallel.pp_schedule=zbv"],
-    8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2"],
+        "parallel.zero=0 parallel.pp=2 parallel.dp_shard=2 parallel.pp_schedule=zbv",
+        # cp 4, and cp 2 beside FSDP (the cp ranks join the parameter sharding), TP and PP
+        f"parallel.cp=4 {RING}", f"parallel.cp=4 {DOCS}",
+        f"parallel.cp=2 parallel.dp_shard=2 {RING}", f"parallel.cp=2 parallel.dp_shard=2 {DOCS_POS}",
+        "parallel.cp=2 parallel.tp=2 parallel.dp_shard=1", f"parallel.cp=2 parallel.tp=2 parallel.dp_shard=1 {RING} {DOCS}",
+        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {RING}", f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {DOCS}"],
+    8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2",
+        f"parallel.cp=4 parallel.dp_shard=2 {DOCS}", f"parallel.cp=4 parallel.tp=2 parallel.dp_shard=1 {RING} {DOCS_POS}",
+        f"parallel.cp=4 parallel.pp=2 parallel.dp_shard=1 {DOCS}"],
 }
 
 
 def model_overrides(layout: str) -> tuple:
-    return tuple(o for o in layout.split() if o.startswith("model."))
+    """What the reference run must share with a layout: its model and data."""
+    return tuple(o for o in layout.split() if o.startswith(("model.", "data.")))
 
 
 @pytest.fixture(scope="module")

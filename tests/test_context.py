@@ -1,0 +1,148 @@
+"""Long context, in one process: the chunked attention against torch's SDPA with the same mask, document
+masking against each document run alone and against transformers' Llama with the equivalent 4-D mask,
+the load-balanced sequence split, and the refusals of configs that cannot run. The multi-rank layouts
+(cp 2 and 4 with FSDP, TP, PP, ring and all-gather, with and without documents) are in
+tests/test_layouts.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from hpctrain.checks.config_checks import check
+from hpctrain.core.compose import ConfigError, compose
+from hpctrain.models import attention as A
+from hpctrain.parallel.context import chunk_ids, sequence_index
+from hpctrain.train.batch import BatchLayout, document_ids, document_positions
+
+from reference import packed
+
+
+def masked_sdpa(q, k, v, docs):
+    s = q.shape[2]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+
+
+@pytest.mark.parametrize("seq,block,p_end", [(16, 4, 0.2), (64, 16, 0.1), (48, 8, 0.0), (32, 512, 0.3), (32, 4, 0.6)])
+def test_chunked_attention_equals_sdpa_with_the_same_mask(monkeypatch, seq, block, p_end):
+    """Output and gradients of q, k, v (grouped-query heads) of the document-masked attention, cut into
+    blocks, against torch's SDPA given the whole boolean mask. Mutants caught: partial results merged by
+    max instead of log-sum-exp, an empty row's log-sum-exp left at the kernel's 0 (p_end 0.6 makes
+    blocks whose rows see no key), a pair wrongly skipped or its causal flag lost, a backward that uses
+    a pair's own lse instead of the merged one."""
+    monkeypatch.setattr(A, "LOCAL_BLOCK", block)
+    gen = torch.Generator().manual_seed(seq + block)
+    q = torch.randn(2, 4, seq, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq, 8, generator=gen, requires_grad=True) for _ in range(2))
+    docs = torch.cumsum((torch.rand(2, seq, generator=gen) < p_end).long(), 1)
+    got, want = A.causal_attention(q, k, v, docs), masked_sdpa(q, k, v, docs)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    g = torch.randn(got.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+
+
+def test_chunks_over_other_ranks_equal_full_attention():
+    """The all-gather path's arithmetic without the collective: rank r's two chunks attending over every
+    chunk in gathered order equal those rows of full causal attention. Mutant caught: the late chunk
+    given the early chunk's index (its rows would miss most keys)."""
+    cp, s = 3, 24
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, s, 4, generator=gen) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gathered = torch.cat([sequence_index(s, r, cp) for r in range(cp)])
+    for r in range(cp):
+        mine = sequence_index(s, r, cp)
+        out = A.ChunkAttention.apply(q[:, :, mine], k[:, :, gathered], v[:, :, gathered], chunk_ids(r, cp),
+                                     [i for j in range(cp) for i in chunk_ids(j, cp)], None, None, None)
+        torch.testing.assert_close(out, full[:, :, mine])
+
+
+@given(st.integers(1, 8), st.integers(1, 6))
+@settings(max_examples=40, deadline=None)
+def test_the_sequence_split_is_a_balanced_partition(cp, c):
+    """Every token on exactly one rank, the same number on each, and the same causal attention work
+    (keys before each query) on each: the point of the early-and-late chunk pairs. Mutant caught:
+    contiguous chunks (rank 0 would do a fraction of the last rank's work)."""
+    s = 2 * cp * c
+    parts = [sequence_index(s, r, cp) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(s))
+    assert len({len(p) for p in parts}) == 1
+    assert len({int((p + 1).sum()) for p in parts}) == 1
+
+
+def test_document_ids_and_positions():
+    eos = 9
+    x = torch.tensor([[1, 2, 9, 3, 9, 9, 4, 5], [9, 1, 2, 3, 4, 5, 6, 7]])
+    docs = document_ids(x, eos)
+    assert docs.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
+    # what transformers gets from the tests' reference, computed independently
+    ref = packed(x, type("D", (), {"document_mask": True, "eos_id": eos, "document_positions": True}))
+    assert ref["position_ids"].tolist() == document_positions(docs).tolist()
+
+
+def test_batch_layout_gives_each_cp_rank_its_chunks_and_their_positions():
+    x = torch.arange(16).view(1, 16)
+    parts = [BatchLayout(None, False, False, r, 2)(x, x + 1) for r in range(2)]
+    assert parts[0][0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]] and parts[1][0].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert parts[0][2]["positions"].tolist() == parts[0][0].tolist() and parts[1][1].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert BatchLayout(None, False, False)(x, x)[2] == {}  # the plain path passes nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [True, False])
+def test_packed_documents_equal_each_document_alone_and_transformers(tmp_path, restart):
+    """Logits of a packed batch with the document mask equal transformers' LlamaForCausalLM given the
+    equivalent 4-D mask (and position ids restarting per document); with restarting positions, they also
+    equal each document run alone. Mutants caught: the mask ignored (tokens see earlier documents), an
+    end-of-document token counted in the next document, positions not restarted."""
+    from test_hf import model_and_hf
+
+    ours, theirs, m = model_and_hf(dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64),
+                                   tmp_path)
+    eos = 63
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 63, (2, 40), generator=gen)
+    x[0, [5, 6, 20, 39]] = eos
+    x[1, [0, 17]] = eos
+    data = type("D", (), {"document_mask": True, "eos_id": eos, "document_positions": restart})
+    _, _, kw = BatchLayout(eos, True, restart)(x, x)
+    with torch.no_grad():
+        got = ours(x, **kw)
+        want = theirs(input_ids=x, **packed(x, data)).logits
+        plain = ours(x)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    assert ((plain - want).abs().max() / want.abs().max()).item() > 1e-2  # the mask matters here
+    if restart:
+        for row in range(2):
+            start = 0
+            for end in [int(i) + 1 for i in (x[row] == eos).nonzero()] + [x.shape[1]]:
+                if end > start:
+                    with torch.no_grad():
+                        alone = ours(x[row:row + 1, start:end])
+                    torch.testing.assert_close(got[row:row + 1, start:end], alone, atol=1e-5, rtol=1e-5)
+                start = end
+
+
+TINY = "+experiment=tiny"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["parallel.cp=2", "launcher.nproc=2", "data.seq_len=30"], ["data.seq_len=30 is not divisible by 2 x parallel.cp=4",
+                                                                 "Fix: data.seq_len=32"]),
+    (["parallel.cp=0"], ["parallel.cp=0 must be at least 1"]),
+    (["parallel.cp=2", "launcher.nproc=2", "model=moe_tiny", "parallel.ep=2"],
+     ["parallel.cp=2 with parallel.ep=2", "do not compose"]),
+    (["parallel.cp=4", "launcher.nproc=2"], ["parallel.cp=4", "does not divide the 2 ranks"]),
+    (["data.document_mask=true"], ["needs data.eos_id", "Fix: data.eos_id="]),
+    (["data.document_positions=true"], ["needs data.document_mask=true"]),
+    (["data.eos_id=256", "data.document_mask=true"], ["data.eos_id=256 is not a token", "model.vocab_size=256"]),
+])
+def test_bad_long_context_configs_are_refused_with_the_fix(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        check(compose([TINY, *overrides]))
+    for part in expected:
+        assert part in str(info.value), (part, str(info.value))
