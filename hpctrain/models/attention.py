@@ -86,50 +86,61 @@ def chunks(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     return list(t.chunk(n, dim)) if n > 1 else [t]
 
 
+def chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale=None):
+    """(out, lse, plan) of q's chunks (global indices q_ids) over k/v's chunks (k_ids), both cut evenly
+    along the sequence (dim 2); docs: each side's document ids (batch, seq), or None for no document
+    mask. `plan`: the pairs computed, for chunk_backward."""
+    qs, ks, vs = chunks(q, len(q_ids), 2), chunks(k, len(k_ids), 2), chunks(v, len(k_ids), 2)
+    qd = chunks(q_docs, len(q_ids), 1) if q_docs is not None else [None] * len(q_ids)
+    kd = chunks(k_docs, len(k_ids), 1) if k_docs is not None else [None] * len(k_ids)
+    outs, lses, plan = [], [], []
+    for i, qi in enumerate(q_ids):
+        out = lse = None
+        row = []
+        for j, kj in enumerate(k_ids):
+            p = pair(qi, kj, qd[i], kd[j], q.dtype)
+            if p is None:
+                continue
+            out, lse = merge(out, lse, *pair_forward(qs[i], ks[j], vs[j], p, scale))
+            row.append((j, p))
+        outs.append(out)
+        lses.append(lse)
+        plan.append(row)
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2), plan
+
+
+def chunk_backward(dout, q, k, v, out, lse, plan, scale=None):
+    """(dq, dk, dv) of chunk_forward's result."""
+    nq = len(plan)
+    nk = k.shape[2] // (q.shape[2] // nq)
+    qs, ks, vs = chunks(q, nq, 2), chunks(k, nk, 2), chunks(v, nk, 2)
+    outs, lses, douts = chunks(out, nq, 2), chunks(lse, nq, 2), chunks(dout.contiguous(), nq, 2)
+    dq = [torch.zeros_like(t) for t in qs]
+    dk = [torch.zeros_like(t) for t in ks]
+    dv = [torch.zeros_like(t) for t in vs]
+    for i, row in enumerate(plan):
+        for j, p in row:
+            a, b, c = pair_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], p, scale)
+            dq[i] += a
+            dk[j] += b
+            dv[j] += c
+    return torch.cat(dq, 2), torch.cat(dk, 2), torch.cat(dv, 2)
+
+
 class ChunkAttention(torch.autograd.Function):
-    """Attention of q's chunks (global indices q_ids) over k/v's chunks (k_ids), both cut evenly along
-    the sequence (dim 2); docs: each side's document ids (batch, seq), or None for no document mask."""
+    """chunk_forward with autograd."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_ids, k_ids, q_docs, k_docs, scale):
-        qs, ks, vs = chunks(q, len(q_ids), 2), chunks(k, len(k_ids), 2), chunks(v, len(k_ids), 2)
-        qd = chunks(q_docs, len(q_ids), 1) if q_docs is not None else [None] * len(q_ids)
-        kd = chunks(k_docs, len(k_ids), 1) if k_docs is not None else [None] * len(k_ids)
-        outs, lses, plan = [], [], []
-        for i, qi in enumerate(q_ids):
-            out = lse = None
-            row = []
-            for j, kj in enumerate(k_ids):
-                p = pair(qi, kj, qd[i], kd[j], q.dtype)
-                if p is None:
-                    continue
-                out, lse = merge(out, lse, *pair_forward(qs[i], ks[j], vs[j], p, scale))
-                row.append((j, p))
-            outs.append(out)
-            lses.append(lse)
-            plan.append(row)
-        out = torch.cat(outs, 2).to(q.dtype)
-        lse = torch.cat(lses, 2)
+        out, lse, ctx.plan = chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.n, ctx.scale = plan, (len(q_ids), len(k_ids)), scale
+        ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        nq, nk = ctx.n
-        qs, ks, vs = chunks(q, nq, 2), chunks(k, nk, 2), chunks(v, nk, 2)
-        outs, lses, douts = chunks(out, nq, 2), chunks(lse, nq, 2), chunks(dout.contiguous(), nq, 2)
-        dq = [torch.zeros_like(t) for t in qs]
-        dk = [torch.zeros_like(t) for t in ks]
-        dv = [torch.zeros_like(t) for t in vs]
-        for i, row in enumerate(ctx.plan):
-            for j, p in row:
-                a, b, c = pair_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], p, ctx.scale)
-                dq[i] += a
-                dk[j] += b
-                dv[j] += c
-        return torch.cat(dq, 2), torch.cat(dk, 2), torch.cat(dv, 2), None, None, None, None, None
+        return (*chunk_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None, None, None, None)
 
 
 def document_mask_attention(q, k, v, documents: torch.Tensor) -> torch.Tensor:

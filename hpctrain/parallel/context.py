@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpctrain.models.attention import ChunkAttention, merge, pair, pair_backward, pair_forward
+from hpctrain.models.attention import chunk_backward, chunk_forward, merge, pair, pair_backward, pair_forward
 
 
 def chunk_ids(rank: int, cp: int) -> list[int]:
@@ -66,22 +66,54 @@ class ContextParallelAttention:
 
     def __call__(self, q, k, v, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         docs = self._all_documents(documents) if documents is not None else None
-        if self.kind == "ring":
-            return RingAttention.apply(q, k, v, documents, docs, self.group, self.rank, self.size)
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
-        k_all, v_all = (all_gather_tensor_autograd(t.contiguous(), 2, self.group) for t in (k, v))
-        return ChunkAttention.apply(q, k_all, v_all, chunk_ids(self.rank, self.size), _gathered_ids(self.size),
-                                    documents, docs, None)
+        kind = RingAttention if self.kind == "ring" else AllGatherAttention
+        return kind.apply(q, k, v, documents, docs, self.group, self.rank, self.size)
 
 
-def _exchange(tensors: list[torch.Tensor], group, rank: int, size: int) -> tuple[list, list]:
-    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's."""
+def _gather(t: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every cp rank's t (batch, heads, seq, dim), concatenated along seq in rank order."""
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return torch.cat(out.chunk(size, 0), 2)
+
+
+def _reduce_scatter(t: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The sum over cp ranks of each rank's part of t (gathered layout), this rank's part."""
+    parts = torch.cat(t.chunk(size, 2), 0).contiguous()  # rank r's part as the r-th block of dim 0
+    out = torch.empty((t.shape[0], t.shape[1], t.shape[2] // size, t.shape[3]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, parts, group=group)
+    return out
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """K and V all-gathered, attended, and dropped: backward gathers them again (as ring attention sends
+    them round again), so a layer keeps only its own chunks for backward, not cp times as many."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, local_docs, all_docs, group, rank, size):
+        ids = chunk_ids(rank, size)
+        out, lse, ctx.plan = chunk_forward(q, _gather(k, group, size), _gather(v, group, size), ids,
+                                           _gathered_ids(size), local_docs, all_docs)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.size = group, size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, size = ctx.group, ctx.size
+        dq, dk, dv = chunk_backward(dout, q, _gather(k, group, size), _gather(v, group, size), out, lse, ctx.plan)
+        return dq, _reduce_scatter(dk, group, size), _reduce_scatter(dv, group, size), None, None, None, None, None
+
+
+def _exchange(tensors: list[torch.Tensor], group, rank: int, size: int, tag: int = 0) -> tuple[list, list]:
+    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's (`tag`
+    keeps two exchanges under way at once apart)."""
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prev = dist.get_global_rank(group, (rank - 1) % size)
     bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors] + \
-          [dist.P2POp(dist.irecv, b, prev, group) for b in bufs]
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(tensors)] + \
+          [dist.P2POp(dist.irecv, b, prev, group, tag + i) for i, b in enumerate(bufs)]
     return dist.batch_isend_irecv(ops), bufs
 
 
@@ -131,20 +163,22 @@ class RingAttention(torch.autograd.Function):
         dq = [torch.zeros_like(t) for t in qs]
         # K, V and the gradients gathered for them so far travel together; after `size` exchanges each
         # rank's own gradients are back with it.
-        kv = [k.contiguous(), v.contiguous(), torch.zeros_like(k), torch.zeros_like(v)]
+        kv, grads = [k.contiguous(), v.contiguous()], [torch.zeros_like(k), torch.zeros_like(v)]
         for step in range(size):
+            # K and V are sent on while their pairs' gradients are computed; the gradients follow
+            kv_reqs, kv_next = _exchange(kv, group, rank, size) if step < size - 1 else ([], None)
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
-            dks, dvs = list(kv[2].chunk(2, 2)), list(kv[3].chunk(2, 2))
+            dks, dvs = list(grads[0].chunk(2, 2)), list(grads[1].chunk(2, 2))
             for i, j, p in ctx.plan[step]:
                 a, b, c = pair_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], p, None)
                 dq[i] += a
                 dks[j] = dks[j] + b
                 dvs[j] = dvs[j] + c
-            grads = [torch.cat(dks, 2), torch.cat(dvs, 2)]
-            # the last exchange carries only the gradients home
-            reqs, kv = _exchange(kv[:2] + grads if step < size - 1 else grads, group, rank, size)
+            reqs, grads = _exchange([torch.cat(dks, 2), torch.cat(dvs, 2)], group, rank, size, tag=2)
             _wait(reqs)
-        dk, dv = kv[-2], kv[-1]
+            _wait(kv_reqs)
+            kv = kv_next
+        dk, dv = grads
         return torch.cat(dq, 2), dk, dv, None, None, None, None, None
 
 

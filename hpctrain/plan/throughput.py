@@ -225,9 +225,12 @@ def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collectiv
     elif dim == "edp":  # what ZeRO shards the experts over: the ranks outside the ep group
         size, stride = expert_zero_group(job), lay.tp * lay.ep if not folded(job) else lay.ep * job.expert_tp
     else:
-        size, stride = {"tp": (lay.tp, 1), "dp_shard": (lay.dp_shard, lay.tp), "dp": (lay.dp, lay.tp),
-                        "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard),
-                        "pp": (2, lay.tp * lay.dp)}[dim]
+        # mesh (pp, dp_replicate, dp_shard, cp, tp): the cp ranks share the parameter sharding and the
+        # gradient reduction with dp_shard (hpctrain.distributed.mesh)
+        cp = lay.cp
+        size, stride = {"tp": (lay.tp, 1), "cp": (cp, lay.tp), "dp_shard": (lay.dp_shard * cp, lay.tp),
+                        "dp": (lay.dp * cp, lay.tp), "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard * cp),
+                        "pp": (2, lay.tp * lay.dp * cp)}[dim]
     bw, lat, nodes = link(job.cluster, size, stride)
     return Collective(dim, op, size, nbytes, count, bw, lat, nodes=nodes,
                       intra_latency=job.cluster.intra_node_latency_us * 1e-6)
@@ -271,7 +274,9 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
                hw.gemm(tokens, f, h))
     gemm = sum(linears)
     if sw.flash:
-        causal = 0.5 * min(2.0, 1 + ATTN_BLOCK / s)
+        # the fraction of the s x s scores computed: the causal half (whole tiles on the diagonal), of
+        # which a document mask keeps the part inside documents (tokens here: this rank's, 1/cp of s)
+        causal = 0.5 * min(2.0, 1 + ATTN_BLOCK / s) * attention_kept(job)
         attn = 4 * tokens * s * q * causal / (hw.attn_flops * sw.attn_rate * hd / (hd + ATTN_HEAD_KNEE))
         attn_bwd = ATTN_BWD * attn
     else:  # QK^T and AV per head and sequence over the full s x s scores, which live in HBM
@@ -291,7 +296,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     m, lay = job.model, job.knobs.layout
-    tokens = job.knobs.micro_batch * job.knobs.seq_len
+    tokens = job.tokens
     layers = job.stage_layers(stage)
     first, last = job.first(stage), job.last(stage)
     lf = layer_fwd(job, hw, tokens, sw)
@@ -403,9 +408,9 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     """
     lay = job.knobs.layout
     if lay.ep <= 1:  # every parameter over the data-parallel ranks
-        parts = [(st.params, "dp_shard", job.zero_group)] if lay.dp > 1 else []
+        parts = [(st.params, "dp_shard", job.zero_group)] if lay.dp * lay.cp > 1 else []
     else:  # routed experts over the ranks expert parallel leaves (none: each rank owns its experts)
-        parts = [(st.params - st.experts, "dp_shard", job.zero_group)] if lay.dp > 1 else []
+        parts = [(st.params - st.experts, "dp_shard", job.zero_group)] if lay.dp * lay.cp > 1 else []
         if expert_zero_group(job) > 1:
             parts.append((st.experts, "edp", expert_zero_group(job)))
     zero_exposed, dp_exposed = 0.0, 0.0
