@@ -114,7 +114,8 @@ def table(preds: list) -> str:
 
 def _line(x: Prediction) -> str:
     p, r, j = x.row, x.row.row, x.job
-    lay = f"tp{j.knobs.layout.tp} pp{j.knobs.layout.pp} dp{j.knobs.layout.dp} z{j.knobs.zero}"
+    cp = f" cp{j.knobs.layout.cp}" if j.knobs.layout.cp > 1 else ""
+    lay = f"tp{j.knobs.layout.tp} pp{j.knobs.layout.pp} dp{j.knobs.layout.dp}{cp} z{j.knobs.zero}"
     flops = p.source.flops(j.model, j.knobs.seq_len, p.params)  # per token, by the source's rule
     pub_m, pred_m = p.tokens * flops / 1e12, x.tokens * flops / 1e12
     hw = x.time.hw_tflops_per_gpu

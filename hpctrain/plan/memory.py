@@ -13,6 +13,7 @@ from hpctrain.core.flops import param_counts
 from hpctrain.core.shape import head_dim
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
+from hpctrain.plan.context import gathered_kv_bytes
 from hpctrain.plan.moe import (dense_ffn_activation, expert_activation_bytes, expert_params, expert_zero_group,
                                stage_moe_layers)
 
@@ -54,6 +55,8 @@ class Job:
     # Megatron's expert tensor parallel (ETP): each expert's width split over this many ranks (1: none,
     # hpctrain's engine)
     expert_tp: int = 1
+    # data.document_mask: the mean document length of the data (0: unknown, the whole causal triangle priced)
+    doc_len: float = 0.0
 
     @classmethod
     def of(cls, model: ModelConfig, cluster: ClusterConfig, knobs: Knobs, **planner) -> "Job":
@@ -66,6 +69,11 @@ class Job:
     @property
     def world(self) -> int:
         return self.spec.layout.world
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of one micro-batch on one rank: 1/cp of its sequences under context parallelism."""
+        return self.knobs.micro_batch * self.knobs.seq_len / self.knobs.layout.cp
 
     @property
     def autocast(self) -> bool:
@@ -125,7 +133,24 @@ def job_of(cfg: Config, world: int | None = None) -> Job:
     if (cluster.nodes, ranks_per_node(cluster)) != (spec.nodes, spec.ranks_per_node):
         cluster = replace(cluster, nodes=spec.nodes, tasks_per_node=spec.ranks_per_node,
                           gpus_per_node=spec.ranks_per_node if cluster.gpus_per_node else 0)
-    return Job.of(cfg.model, cluster, spec.knobs, async_checkpoint=bool(cfg.checkpoint.async_save))
+    return Job.of(cfg.model, cluster, spec.knobs, async_checkpoint=bool(cfg.checkpoint.async_save),
+                  doc_len=mean_document_length(cfg))
+
+
+def mean_document_length(cfg: Config) -> float:
+    """Tokens per document of the training data where known: synthetic documents' mean, or the shards'
+    tokens over their documents (meta.json); 0 where unknown."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return float(d.synthetic_doc_len if d.eos_id >= 0 else 0)
+    from hpctrain.data.shards import read_meta, split_tokens
+
+    try:
+        meta = read_meta(d.sources[0].path if d.sources else d.path) or {}
+        docs = meta.get("documents") or 0
+        return sum(split_tokens(meta, s) for s in meta.get("splits", {})) / docs if docs else 0.0
+    except (OSError, ValueError, TypeError, KeyError):
+        return 0.0
 
 
 def cluster_of(cfg: Config) -> ClusterConfig:
@@ -322,7 +347,7 @@ def activations(job: Job, stage: int) -> dict:
     in-flight micro-batches, the one block being recomputed, and the output layer's inputs on the last
     stage. Whether all of them are alive together with the gradients is decided in stage_memory."""
     m, lay, pr = job.model, job.knobs.layout, job.knobs.precision
-    tokens = job.knobs.micro_batch * job.knobs.seq_len
+    tokens = job.tokens
     layers = job.stage_layers(stage)
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
     full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
@@ -416,7 +441,9 @@ def transients(job: Job, sp: StageParams) -> dict:
     if job.last(sp.stage):
         # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
         # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
-        out["logits"] = job.knobs.micro_batch * job.knobs.seq_len * m.vocab_size / lay.tp * (pb + 4 + 4)
+        out["logits"] = job.tokens * m.vocab_size / lay.tp * (pb + 4 + 4)
+    if lay.cp > 1:  # K/V of the other cp ranks while a layer attends (hpctrain.plan.context)
+        out["cp_kv"] = gathered_kv_bytes(job, pb)
     return out
 
 
@@ -450,7 +477,7 @@ def pipeline_receives(job: Job, stage: int) -> int:
 def boundary_bytes(job: Job) -> float:
     """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
     tp = job.knobs.layout.tp if job.sequence_parallel else 1
-    return job.knobs.micro_batch * job.knobs.seq_len * job.model.dim / tp * stream_bytes(job)
+    return job.tokens * job.model.dim / tp * stream_bytes(job)
 
 
 def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> float:

@@ -201,8 +201,6 @@ def unusable(r: dict) -> str:
         return "model shape or GPU count not published"
     if r["gpu"] not in GPUS:
         return f"no cluster preset for {r['gpu']}"
-    if _int(r["cp"], 1) > 1:
-        return "context parallel (not modelled)"
     if not r["tp"] or not r["pp"]:
         return "TP/PP split not published"
     if not r["global_batch"]:
@@ -258,8 +256,8 @@ def published(r: dict) -> Published:
     p.skip = unusable(r)
     if p.skip:
         return p
-    tp, pp, gpus = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["num_gpus"])
-    dp = gpus // (tp * pp)
+    tp, pp, cp, gpus = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["cp"], 1), _int(r["num_gpus"])
+    dp = gpus // (tp * pp * cp)
     m = model_of(r, src, tp)
     s = _int(r["seq_len"])
     # llm-foundry's rule uses its logged count (with a learned position embedding); the others the shape's.
@@ -268,7 +266,9 @@ def published(r: dict) -> Published:
     value = _float(r[src.column])
     p.tokens = value if src.column == "tokens_per_s_per_gpu" else value * 1e12 / src.flops(m, s, n)
     zero = _int(r["zero"], 3)
-    knobs = Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), global_batch=_int(r["global_batch"]),
+    # context parallel: all-gather where the row says so (Llama 3), else a ring (Megatron-Core's p2p default)
+    knobs = Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, cp=cp), global_batch=_int(r["global_batch"]),
+                  cp_attention="allgather" if "all-gather CP" in r["notes"] else "ring",
                   seq_len=s, precision="bf16", zero=zero, compile=src.compile or "compile" in r["notes"],
                   # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
                   sp_regather=p.software is MEGATRON)

@@ -29,6 +29,10 @@ class Space:
     grad_syncs: tuple = ("microbatch", "step")  # tried with ZeRO-2/3 without pipelining
     ac_every: int = 2
     experts: int = 0  # a MoE model's routed experts: expert-parallel degrees dividing them are tried
+    # context parallel: tried for sequences of cp_from tokens or more, at powers of two up to cp_max
+    seq_len: int = 0
+    cp_from: int = 16384
+    cp_max: int = 32
 
 
 @dataclass
@@ -56,6 +60,7 @@ class SearchResult:
 def knobs(job: Job) -> dict:
     lay = job.knobs.layout
     return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep,
+            "cp": lay.cp,
             "zero": job.knobs.zero, "offload": job.knobs.offload, "ac": job.knobs.ac, "micro_batch": job.knobs.micro_batch,
             "schedule": job.knobs.schedule if lay.pp > 1 else "-",
             "virtual_stages": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
@@ -69,6 +74,7 @@ def overrides(job: Job) -> list[str]:
     k = knobs(job)
     out = [f"parallel.tp={k['tp']}", f"parallel.pp={k['pp']}", f"parallel.dp_replicate={k['dp_replicate']}",
            f"parallel.dp_shard={k['dp_shard']}", *([f"parallel.ep={k['ep']}"] if job.model.moe.experts else []),
+           *([f"parallel.cp={k['cp']}", f"parallel.cp_attention={job.knobs.cp_attention}"] if k["cp"] > 1 else []),
            f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
            f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
     if job.knobs.ac == "selective":
@@ -91,6 +97,9 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
+    if lay.cp > 1 and (job.knobs.seq_len % (2 * lay.cp) or lay.ep > 1):
+        out.append(("cp", f"parallel.cp={lay.cp} needs data.seq_len={job.knobs.seq_len} divisible by {2 * lay.cp} "
+                          "and no expert parallel"))
     if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
         out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
                           f"and model.moe.experts={m.moe.experts}"))
@@ -144,23 +153,39 @@ def layouts(cluster: ClusterConfig, world: int, space: Space) -> Iterator[tuple[
         if tp > rpn:
             break
         for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            for zero in space.zeros:
-                if zero == 0:
-                    yield Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), zero
-                    continue
-                for rep in divisors(dp):
-                    shard = dp // rep
-                    if rep == 1 or (zero == 3 and (shard * tp) % rpn == 0):
-                        # expert parallel: a split of dp_shard into whole experts (FSDP2 only)
-                        eps = [e for e in divisors(shard) if space.experts % e == 0] if space.experts and zero >= 2 else [1]
-                        for ep in eps:
-                            yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep), zero
+            for cp in cps(world // (tp * pp), space):
+                dp = world // (tp * pp * cp)
+                for zero in space.zeros:
+                    if zero == 0:
+                        yield Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, cp=cp), zero
+                        continue
+                    for rep in divisors(dp):
+                        shard = dp // rep
+                        if rep == 1 or (zero == 3 and (shard * cp * tp) % rpn == 0):
+                            # expert parallel: a split of dp_shard into whole experts (FSDP2 only, no cp)
+                            eps = [e for e in divisors(shard) if space.experts % e == 0] \
+                                if space.experts and zero >= 2 and cp == 1 else [1]
+                            for ep in eps:
+                                yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp), zero
+
+
+def cps(ranks: int, space: Space) -> list[int]:
+    """Context-parallel degrees to try over `ranks`: 1, and for long sequences the powers of two that
+    divide the ranks and split the sequence into whole chunk pairs."""
+    out = [1]
+    c = 2
+    while space.seq_len >= space.cp_from and c <= min(ranks, space.cp_max):
+        if ranks % c == 0 and space.seq_len % (2 * c) == 0:
+            out.append(c)
+        c *= 2
+    return out
 
 
 def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iterator[Job]:
     if base.model.moe.experts and not space.experts:
         space = replace(space, experts=base.model.moe.experts)
+    if not space.seq_len:
+        space = replace(space, seq_len=base.knobs.seq_len)
     for lay, zero in layouts(base.cluster, world or base.world, space):
         scheds = [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
         for offload in (space.offloads if zero >= 1 else ("none",)):

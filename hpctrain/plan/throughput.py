@@ -18,6 +18,7 @@ from typing import Optional
 from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
 from hpctrain.core.shape import head_dim
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.plan.context import attention_kept, cp_collectives
 from hpctrain.plan.moe import dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, stage_moe_layers
 from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
                                   stage_params, stream_bytes)
@@ -95,6 +96,9 @@ class Software:
     # default dispatcher); Megatron-Core's "1F1B overlap" runs one micro-batch's dispatch under another's
     # compute (its MoE README).
     ep_overlap: float = 0.0
+    # Context parallel's ring: the share of each step's K/V transfer that runs under the attention on the
+    # chunks at hand (hpctrain starts the transfer first: all of it, up to that attention's time)
+    cp_overlap: float = 1.0
 
 
 # Megatron-LM with --tp-comm-overlap (userbuffers split GEMMs and collectives into chunks),
@@ -254,11 +258,13 @@ class StageTime:
     units: int
     collectives: list = field(default_factory=list)
     ep_exposed: float = 0.0  # expert parallel's dispatch and combine all-to-alls (in line)
+    cp_exposed: float = 0.0  # context parallel's K/V traffic that attention does not hide
     experts: float = 0.0  # of params, routed experts (sharded by ZeRO over the expert group)
 
     @property
     def total(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_exposed + self.zero_exposed + self.ep_exposed
+        return (self.fwd + self.bwd + self.recompute + self.tp_exposed + self.zero_exposed + self.ep_exposed
+                + self.cp_exposed)
 
 
 def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
@@ -370,10 +376,12 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         for x in colls:
             x.exposed = x.total * share
 
+    cp_colls, cp_exposed = cp_collectives(job, _coll, hw.elem, lf["attn"], lf["attn_bwd"], layers, recomputed,
+                                          sw.cp_overlap)
     sp = stage_params(job, stage)
     units = layers + first + last
-    st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls + ep_colls,
-                   ep_exposed=ep_exposed, experts=sp.experts)
+    st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls + ep_colls + cp_colls,
+                   ep_exposed=ep_exposed, experts=sp.experts, cp_exposed=cp_exposed)
     _zero_traffic(job, st, hw, sw)
     return st
 
@@ -537,12 +545,14 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
           "tp_exposed": mb * worst.tp_exposed, "zero_exposed": mb * worst.zero_exposed, "bubble": bubble}
     if worst.ep_exposed:
         br["ep_exposed"] = mb * worst.ep_exposed
+    if worst.cp_exposed:
+        br["cp_exposed"] = mb * worst.cp_exposed
     colls = list(worst.collectives)
     if lay.pp > 1:
         v = stages_per_rank(job)
         # the residual stream, sequence-parallel (Megatron-LM 2021 scattered it over TP for the hop too);
         # fp32 under autocast
-        msg = job.knobs.micro_batch * job.knobs.seq_len * job.model.dim / lay.tp * stream_bytes(job)
+        msg = job.tokens * job.model.dim / lay.tp * stream_bytes(job)
         p2p = _coll(job, "pp", "send_recv", msg, 2 * mb * v)
         p2p.exposed = (1 - sw.pp_overlap) * p2p.total + 2 * (lay.pp - 1) * p2p.seconds
         colls.append(p2p)

@@ -54,7 +54,8 @@ def plan_dict(p: Plan) -> dict:
 def describe(job: Job) -> str:
     k = knobs(job)
     ep = f" (ep {k['ep']})" if k["ep"] > 1 else ""
-    s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}{ep}, zero {k['zero']}, "
+    cp = f" x cp {k['cp']} ({job.knobs.cp_attention})" if k["cp"] > 1 else ""
+    s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}{ep}{cp}, zero {k['zero']}, "
          f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
     if job.knobs.layout.pp > 1:
         s += f", {job.knobs.schedule}" + (f" v{job.knobs.virtual_stages}" if job.knobs.schedule == "interleaved_1f1b" else "")
@@ -157,7 +158,8 @@ def over(total: float, limit: float) -> str:
 def short(job: Job) -> str:
     """A layout in a few words, every knob that tells two layouts apart (the plot's tick labels)."""
     k = knobs(job)
-    s = f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']} zero{k['zero']} ac {k['ac']} mb{k['micro_batch']}"
+    cp = f" cp{k['cp']}" if k["cp"] > 1 else ""
+    s = f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{cp} zero{k['zero']} ac {k['ac']} mb{k['micro_batch']}"
     if job.knobs.layout.pp > 1:
         s += f" {job.knobs.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
     if k["grad_sync"] == "step":
