@@ -25,14 +25,17 @@ def masked_sdpa(q, k, v, docs):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
 
 
+@pytest.mark.parametrize("math", [False, True], ids=["flash", "math"])
 @pytest.mark.parametrize("seq,block,p_end", [(16, 4, 0.2), (64, 16, 0.1), (48, 8, 0.0), (32, 512, 0.3), (32, 4, 0.6)])
-def test_chunked_attention_equals_sdpa_with_the_same_mask(monkeypatch, seq, block, p_end):
+def test_chunked_attention_equals_sdpa_with_the_same_mask(monkeypatch, seq, block, p_end, math):
     """Output and gradients of q, k, v (grouped-query heads) of the document-masked attention, cut into
     blocks, against torch's SDPA given the whole boolean mask. Mutants caught: partial results merged by
     max instead of log-sum-exp, an empty row's log-sum-exp left at the kernel's 0 (p_end 0.6 makes
     blocks whose rows see no key), a pair wrongly skipped or its causal flag lost, a backward that uses
-    a pair's own lse instead of the merged one."""
+    a pair's own lse instead of the merged one; in the matmul path (what runs off the CPU) grouped heads'
+    gradients not summed back, the rowsum(dout * out) term dropped."""
     monkeypatch.setattr(A, "LOCAL_BLOCK", block)
+    monkeypatch.setattr(A, "MATH", math)
     gen = torch.Generator().manual_seed(seq + block)
     q = torch.randn(2, 4, seq, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 2, seq, 8, generator=gen, requires_grad=True) for _ in range(2))

@@ -9,7 +9,10 @@ as passing.
 - an async checkpoint saved from device memory, resumed bit for bit;
 - the collectives benchmark's NCCL path on one GPU (proves the path; no bandwidth claim);
 - Mixture-of-Experts: the grouped GEMM in bf16 against the loop, the all-to-all dispatcher over NCCL, and
-  the MoE model trained in bf16.
+  the MoE model trained in bf16;
+- long context: the attention pairs context parallelism computes (matmul path) and the document mask on
+  CUDA against SDPA, and document-masked training in bf16 against fp32 on the CPU. (Context parallelism
+  itself needs two GPUs: NCCL refuses two ranks on one device.)
 """
 from __future__ import annotations
 
@@ -178,3 +181,37 @@ def test_moe_tiny_trains_on_cuda_in_bf16(tmp_path):
             f"run.dir={tmp_path}", timeout=600)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"] and "expert_share_max" in rows[-1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_document_attention_on_cuda_equals_sdpa(dtype):
+    """Long context's attention pairs off the CPU (the matmul path context parallelism uses on CUDA) and
+    the document-masked local path (SDPA with the boolean mask) against torch's SDPA with the whole mask."""
+    import torch.nn.functional as F
+
+    from hpctrain.models import attention as A
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=dt, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=dt, generator=gen, requires_grad=True) for _ in range(2))
+    docs = torch.cumsum((torch.rand(2, 256, device="cuda", generator=gen) < 0.02).long(), 1)
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(256, 256, dtype=torch.bool, device="cuda").tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    ids = list(range(4))
+    got = A.ChunkAttention.apply(q, k, v, ids, ids, docs, docs, None)
+    tol = dict(atol=2e-2, rtol=2e-2) if dt == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(A.causal_attention(q, k, v, docs), want, **tol)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_document_masked_training_in_bf16_tracks_fp32_on_the_cpu(tmp_path):
+    """The small model on packed documents (the mask on CUDA: SDPA with the boolean mask), bf16 on the GPU
+    against fp32 on the CPU."""
+    docs = ("data.document_mask=true", "data.eos_id=0", "data.synthetic_doc_len=48", "data.document_positions=true")
+    run_cli(*SMALL, *GPU, *docs, "train.precision=bf16", f"run.dir={tmp_path / 'gpu'}", timeout=600)
+    run_cli(*SMALL, *CPU, *docs, f"run.dir={tmp_path / 'cpu'}", timeout=600)
+    close(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), BF16_TOL)

@@ -60,7 +60,10 @@ def pair(q_chunk: int, k_chunk: int, q_docs: Optional[torch.Tensor], k_docs: Opt
 
 def pair_forward(q, k, v, p: Pair, scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q over one key chunk; rows with no key get lse -inf (the kernel says 0)."""
-    out, lse = _FLASH(q, k, v, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+    if q.device.type == "cpu" and not MATH:
+        out, lse = _FLASH(q, k, v, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+    else:
+        out, lse = _math_forward(q, k, v, p, scale)
     if p.rows is not None:
         lse = lse.masked_fill(~p.rows, float("-inf"))
     return out, lse
@@ -68,7 +71,54 @@ def pair_forward(q, k, v, p: Pair, scale: Optional[float]) -> tuple[torch.Tensor
 
 def pair_backward(dout, q, k, v, out, lse, p: Pair, scale: Optional[float]):
     """(dq, dk, dv) of one pair, from the merged out and lse of q's rows."""
-    return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+    if q.device.type == "cpu" and not MATH:
+        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+    return _math_backward(dout, q, k, v, out, lse, p, scale)
+
+
+# Off the CPU (and where MATH is set, to test it there) the pairs are computed by matmuls over the chunk's
+# scores: exact, any device, a (chunk x chunk) score matrix per head at a time. CUDA's flash kernels pad
+# their log-sum-exp and take no additive mask with grouped K/V; a fused path is future work.
+MATH = False
+
+
+def _scores(q, k, p: Pair, scale: Optional[float]) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, 1) if rep > 1 else k
+    s = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if p.causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if p.mask is not None:
+        s = s + p.mask.float()
+    return s
+
+
+def _math_forward(q, k, v, p: Pair, scale):
+    s = _scores(q, k, p, scale)
+    lse = torch.logsumexp(s, -1)
+    rep = q.shape[1] // v.shape[1]
+    v = v.repeat_interleave(rep, 1) if rep > 1 else v
+    probs = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return (probs @ v.float()).to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, p: Pair, scale):
+    rep = q.shape[1] // k.shape[1]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    s = _scores(q, k, p, scale)
+    probs = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    kf = (k.repeat_interleave(rep, 1) if rep > 1 else k).float()
+    vf = (v.repeat_interleave(rep, 1) if rep > 1 else v).float()
+    do = dout.float()
+    dv = probs.transpose(-1, -2) @ do
+    dp = do @ vf.transpose(-1, -2)
+    ds = probs * (dp - (do * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ q.float()) * scale
+    if rep > 1:  # the grouped heads' gradients summed back onto their K/V head
+        dk = dk.unflatten(1, (k.shape[1], rep)).sum(2)
+        dv = dv.unflatten(1, (v.shape[1], rep)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], o: torch.Tensor, l: torch.Tensor):
