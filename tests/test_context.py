@@ -149,3 +149,63 @@ def test_bad_long_context_configs_are_refused_with_the_fix(overrides, expected):
         check(compose([TINY, *overrides]))
     for part in expected:
         assert part in str(info.value), (part, str(info.value))
+
+
+# ------------------------------------------------------------------------- the planner
+
+@pytest.mark.parametrize("experiment", ["llama31_8b_128k", "llama31_70b_128k"])
+def test_128k_presets_plan_as_feasible_on_h100(experiment):
+    """The presets pass every login-node check and fit an H100's 80 GB at 128K tokens per sequence with
+    their cp 8; without cp the same layout does not fit. Mutant caught: activations not divided by cp in
+    the memory model (the presets would need 8 times the activation memory)."""
+    from dataclasses import replace
+
+    from hpctrain.plan.memory import job_of, memory
+    from hpctrain.plan.throughput import throughput
+
+    cfg = compose([f"+experiment={experiment}"])
+    check(cfg)
+    job = job_of(cfg)
+    assert job.knobs.layout.cp == 8 and job.knobs.seq_len == 131072
+    mem = memory(job)
+    assert mem.fits, mem.problems
+    t = throughput(job)
+    assert t.breakdown["cp_exposed"] > 0 and 0.2 < t.mfu < 0.6
+    lay = job.knobs.layout
+    whole = memory(job.with_(layout=replace(lay, cp=1, dp_shard=lay.dp_shard * lay.cp)))
+    assert whole.device["activations"] == pytest.approx(8 * mem.device["activations"])
+    assert not whole.fits or experiment != "llama31_8b_128k"  # 8B: only cp makes 128K fit one node
+
+
+def test_planner_prices_cp_traffic_and_the_masked_attention():
+    """Against the same job: ring and all-gather move K/V (the ring hides its steps under attention and
+    so exposes less here), cp divides the activations, and a document mask of short documents cuts the
+    attention time by the share of the causal triangle it keeps, checked against counting the kept pairs
+    of simulated documents. Mutants caught: the kept share as L/s (no factor 2), the ring's steps priced
+    as unhidden."""
+    import numpy as np
+    from dataclasses import replace
+
+    from hpctrain.plan.context import attention_kept
+    from hpctrain.plan.memory import activations, job_of
+    from hpctrain.plan.throughput import throughput
+
+    job = job_of(compose(["+experiment=llama31_70b_128k"]))
+    ring, gather = job.with_(cp_attention="ring"), job.with_(cp_attention="allgather")
+    assert 0 < throughput(ring).breakdown["cp_exposed"] < throughput(gather).breakdown["cp_exposed"]
+    lay = job.knobs.layout
+    cp1 = job.with_(layout=replace(lay, cp=1, dp_shard=lay.dp_shard * lay.cp))
+    assert activations(cp1, 0)["activations"] == pytest.approx(8 * activations(job, 0)["activations"])
+
+    s, L = 131072, 4096
+    masked = replace(job.with_(seq_len=s, document_mask=True), doc_len=L)
+    rng = np.random.default_rng(0)
+    kept = []
+    for _ in range(2000):  # documents with exponential lengths: the causal pairs inside one document
+        ends = np.cumsum(rng.exponential(L, size=4 * s // L))
+        counts = np.diff([0, *np.ceil(ends[ends < s]), s])  # tokens t < end of each document in the sequence
+        kept.append((counts * (counts + 1) / 2).sum() / (s * (s + 1) / 2))
+    assert attention_kept(masked) == pytest.approx(np.mean(kept), rel=0.03)
+    assert attention_kept(replace(masked, doc_len=0)) == 1.0 and attention_kept(job.with_(seq_len=s)) == 1.0
+    plain = throughput(job).breakdown["compute"]
+    assert throughput(masked).breakdown["compute"] < 0.8 * plain
