@@ -102,6 +102,13 @@ MOE_LAYOUTS = {
 }
 DENSE_LAYOUTS = list(LAYOUTS)
 LAYOUTS.update(MOE_LAYOUTS)
+# Long context (measured when named): one sequence per step, split over cp 1, 2 and 4 ranks (FSDP2 over
+# them), 8K to 64K tokens, K/V all-gathered; "_ring" passes them round instead. With --models tiny.
+LONG = ["parallel=fsdp", "parallel.zero=3", "train.global_batch=1", "train.micro_batch=1"]
+LONG_LAYOUTS = {f"cp{c}_{k}k{'_ring' if ring else ''}": (c, [*LONG, f"data.seq_len={k * 1024}", f"parallel.cp={c}",
+                                                           *(["parallel.cp_attention=ring"] if ring else [])])
+                for k in (8, 16, 32, 64) for c in (1, 2, 4) for ring in (False, True) if not (ring and c == 1)}
+LAYOUTS.update(LONG_LAYOUTS)
 DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimizer + DDP), dp 2",
             "zero2": "ZeRO-2 (FSDP2, no reshard after fwd), dp 2", "zero3": "ZeRO-3 (FSDP2), dp 2",
             "zero2_step": "ZeRO-2, gradients reduced once per step, dp 2",
@@ -267,7 +274,7 @@ def summarize(name: str, model: str, runs: dict, skip: int, cores: int) -> dict:
     step = median([median(run[0]["step_times"][skip:]) for run in speed])
     best = min(min(run[0]["step_times"][skip:]) for run in speed)
     worst = max(ranks, key=lambda x: x["measured"])
-    return {"name": name, "model": model, "describe": DESCRIBE[name], "ranks_n": n, "oversubscribed": n > cores, **job,
+    return {"name": name, "model": model, "describe": DESCRIBE.get(name, name), "ranks_n": n, "oversubscribed": n > cores, **job,
             "step_s": step, "tokens_per_s": job["tokens_per_step"] / step, "best_step_s": best,
             "loss_last": median([run[0]["losses"][-1] for run in speed]), "per_rank": ranks,
             "worst_measured": worst["measured"], "worst_predicted": max(x["predicted"] for x in ranks),
