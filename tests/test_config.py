@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 
+import contextlib
+import io
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,19 @@ def refusal(*overrides: str) -> str:
     return str(info.value)
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m hpctrain ARGS`'s exit code and output, run in this process: these commands compose,
+    check and plan on the login node and start nothing, and a subprocess would add ~1.5 s of interpreter
+    and import start-up to each (tests/test_readme.py runs the real command line)."""
+    from hpctrain.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return subprocess.CompletedProcess(["python", "-m", "hpctrain", *args], rc, out.getvalue(), err.getvalue())
 
 
 def assert_mentions(msg: str, *parts: str) -> None:
