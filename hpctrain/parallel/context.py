@@ -70,10 +70,15 @@ class ContextParallelAttention:
         return kind.apply(q, k, v, documents, docs, self.group, self.rank, self.size)
 
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather(t: torch.Tensor, group, size: int) -> torch.Tensor:
     """Every cp rank's t (batch, heads, seq, dim), concatenated along seq in rank order."""
     out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    _all_gather(out, t.contiguous(), group=group)
     return torch.cat(out.chunk(size, 0), 2)
 
 
@@ -81,7 +86,7 @@ def _reduce_scatter(t: torch.Tensor, group, size: int) -> torch.Tensor:
     """The sum over cp ranks of each rank's part of t (gathered layout), this rank's part."""
     parts = torch.cat(t.chunk(size, 2), 0).contiguous()  # rank r's part as the r-th block of dim 0
     out = torch.empty((t.shape[0], t.shape[1], t.shape[2] // size, t.shape[3]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, parts, group=group)
+    _reduce_scatter_into(out, parts, group=group)
     return out
 
 
