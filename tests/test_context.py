@@ -133,6 +133,27 @@ def test_packed_documents_equal_each_document_alone_and_transformers(tmp_path, r
 TINY = "+experiment=tiny"
 
 
+def test_document_mask_on_shards_without_an_eos_id_is_refused(tmp_path):
+    """Shards whose meta.json names no end-of-document token (an older format) cannot be masked: refused
+    with the fix instead of training without the mask. Mutant caught: the check only for synthetic data."""
+    import json
+
+    from hpctrain.data.prepare import prepare
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello world " * 50)
+    prepare(tmp_path / "src", tmp_path / "out", val_fraction=0)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    shards = [TINY, "data=shards", f"data.path={tmp_path / 'out'}", "data.seq_len=16", "data.document_mask=true"]
+    check(compose(shards))  # the bytes tokenizer's documents end with NUL: eos_id 0
+    del meta["eos_id"]
+    (tmp_path / "out" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as info:
+        check(compose(shards))
+    assert "names no end-of-document token" in str(info.value) and "Fix: data.eos_id=" in str(info.value)
+    check(compose([*shards, "data.eos_id=0"]))
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["parallel.cp=2", "launcher.nproc=2", "data.seq_len=30"], ["data.seq_len=30 is not divisible by 2 x parallel.cp=4",
                                                                  "Fix: data.seq_len=32"]),

@@ -217,6 +217,8 @@ def _context_parallel(cfg: Config):
 @_check
 def _documents(cfg: Config):
     """data.document_mask: an end-of-document id to find the documents by."""
+    from hpctrain.data import eos_id  # reads the shards' meta.json
+
     d = cfg.data
     if d.document_positions and not d.document_mask:
         yield "data.document_positions=true restarts positions per document, which needs data.document_mask=true"
@@ -232,6 +234,10 @@ def _documents(cfg: Config):
     if d.source == "synthetic" and d.eos_id < 0:
         yield ("data.document_mask=true on synthetic data needs data.eos_id (and data.synthetic_doc_len for "
                "documents shorter than a sequence). Fix: data.eos_id=<an id below model.vocab_size>")
+    elif d.source == "shards" and d.eos_id < 0 and (d.path or d.sources) and eos_id(cfg) is None:
+        yield ("data.document_mask=true, but the shards' meta.json names no end-of-document token (eos_id) to "
+               "find the documents by. Fix: data.eos_id=<the id that ends each document>, or prepare the shards "
+               "again with python -m hpctrain.data.prepare")
 
 
 @_check

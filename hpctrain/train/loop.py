@@ -102,7 +102,10 @@ class Trainer:
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
         self.routers.set_aux_scale(1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
-        self.batch = BatchLayout(eos_id(cfg), cfg.data.document_mask, cfg.data.document_positions,
+        eos = eos_id(cfg)
+        if cfg.data.document_mask and eos is None:  # the login node refuses this; a rank must not mask nothing
+            raise ValueError("data.document_mask=true needs an end-of-document id: data.eos_id or the shards' eos_id")
+        self.batch = BatchLayout(eos, cfg.data.document_mask, cfg.data.document_positions,
                                  self.meshes.cp.get_local_rank() if self.meshes.cp is not None else 0,
                                  self.spec.layout.cp)
         self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
