@@ -42,17 +42,12 @@ class BatchLayout:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if self.plain:
             return x, y, {}
-        kw = {}
         docs = document_ids(x, self.eos_id) if self.eos_id is not None else None
+        kw = {}
         if self.restart:
-            kw["positions"] = document_positions(docs)
-        elif self.cp > 1:
-            pos = sequence_index(x.shape[1], self.cp_rank, self.cp).to(x.device)
-            kw["positions"] = pos.expand(x.shape[0], -1)
+            kw["positions"] = shard_sequence(document_positions(docs), self.cp_rank, self.cp)
+        elif self.cp > 1:  # the positions of this rank's chunks in the whole sequence
+            kw["positions"] = sequence_index(x.shape[1], self.cp_rank, self.cp).to(x.device).expand(x.shape[0], -1)
         if docs is not None:
-            kw["documents"] = docs
-        if self.cp > 1:
-            x, y = shard_sequence(x, self.cp_rank, self.cp), shard_sequence(y, self.cp_rank, self.cp)
-            kw = {k: (v if k == "positions" and not self.restart else shard_sequence(v, self.cp_rank, self.cp))
-                  for k, v in kw.items()}
-        return x, y, kw
+            kw["documents"] = shard_sequence(docs, self.cp_rank, self.cp)
+        return shard_sequence(x, self.cp_rank, self.cp), shard_sequence(y, self.cp_rank, self.cp), kw
