@@ -21,6 +21,23 @@ def run_cli(*overrides: str, timeout: float = 300, check: bool = True, env: dict
     return proc
 
 
+def run_main(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS`'s exit code and output, run in this process through MODULE.__main__.main:
+    for commands that start no ranks, where a subprocess would only add interpreter and import start-up."""
+    import contextlib
+    import importlib
+    import io
+
+    main = importlib.import_module(f"{module}.__main__").main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return subprocess.CompletedProcess(["python", "-m", module, *args], rc, out.getvalue(), err.getvalue())
+
+
 def skip_or_fail(why: str, what: str = "the Slurm tests") -> None:
     """Without the local Slurm (or root) a developer may skip the tests that need it; CI (CI=true) runs
     as root and starts Slurm first, so there a missing one is a failure, never a silent skip."""
