@@ -30,7 +30,7 @@ COSTLY = {"test_checkpoint_resume.py": 410, "test_layouts.py": 280, "test_moe.py
 
 
 # Fixtures that start ranks, train a model or build a tokenizer: a test that uses one is slow.
-SLOW_FIXTURES = {"example_corpus", "example_shards", "world_of_one", "probed", "measured", "pipelined"}
+SLOW_FIXTURES = {"example_corpus", "example_shards", "chat_shards", "world_of_one", "probed", "measured", "pipelined"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks this adds
@@ -136,6 +136,18 @@ def example_shards(example_corpus, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("example_shards")
     prepare(example_corpus / "corpus.jsonl", out, example_corpus / "tokenizer.json", val_fraction=0.05)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_shards(example_corpus, tmp_path_factory) -> Path:
+    """The example's conversations (chat.jsonl) rendered with its ChatML template, a loss mask on the
+    assistant's tokens, in windows of 64 tokens, 20% held out."""
+    from hpctrain.data.prepare import prepare_records
+
+    out = tmp_path_factory.mktemp("chat_shards")
+    prepare_records(example_corpus / "chat.jsonl", out, example_corpus / "tokenizer.json", "chat", seq_len=64,
+                    val_fraction=0.2)
     return out
 
 

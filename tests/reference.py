@@ -71,12 +71,15 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
 
     from transformers import AutoModelForCausalLM
 
-    from hpctrain.data import build_dataset
+    from hpctrain.data import build_dataset, eos_id
+    from hpctrain.train.sampler import StepSampler
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         model = AutoModelForCausalLM.from_pretrained(init_dir or hf_dir(cfg, Path(workdir or d) / "init"),
                                                      dtype=torch.float32, attn_implementation="eager")
+    if cfg.model.lora.rank > 0:
+        model = with_peft_adapters(model, cfg)
     moe = cfg.model.moe
     biases = route_by_sigmoid(model, moe.top_k) if moe.experts and moe.router == "sigmoid" else None
     o = cfg.optim
@@ -86,15 +89,15 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     data = build_dataset(cfg)
     B, total = cfg.train.global_batch, cfg.train.steps
+    data_cfg = replace(cfg.data, eos_id=eos_id(cfg) if eos_id(cfg) is not None else -1)
+    order = StepSampler(data, B, B, 0, 1, cfg.data.seed)  # the sample order of hpctrain's sampler
     losses, norms = [], []
     for step in range(steps or total):
-        # The data order: step k takes samples k*B .. (k+1)*B - 1 of the (endless, synthetic) stream.
-        rows = torch.stack([torch.as_tensor(data[i]) for i in range(step * B, (step + 1) * B)])
-        x, y = rows[:, :-1], rows[:, 1:]
+        # Step k takes samples k*B .. (k+1)*B - 1 of the stream (the identity for synthetic data).
+        idx = [order._index(i) for i in range(step * B, (step + 1) * B)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o, total)
-        out = model(input_ids=x, **packed(x, cfg.data), **({"output_router_logits": True} if moe.experts else {}))
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+        out, loss = batch_loss(model, data, idx, data_cfg, output_router_logits=bool(moe.experts))
         balance = 0.0
         if moe.experts:
             balance = balancing_loss(out.router_logits, biases, moe, B // cfg.train.micro_batch)
@@ -112,11 +115,56 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
         losses.append(loss.item())
         norms.append(norm.item())
     val_data = build_dataset(cfg, "val")
-    rows = torch.stack([torch.as_tensor(val_data[i]) for i in range(cfg.eval.batches * B)])
+    val_order = StepSampler(val_data, B, B, 0, 1, cfg.data.seed)
     with torch.no_grad():
-        logits = model(input_ids=rows[:, :-1], **packed(rows[:, :-1], cfg.data)).logits
-        val = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
+        if getattr(val_data, "has_loss_mask", False):  # the mean of each global batch's per-token mean
+            val = sum(batch_loss(model, val_data, [val_order._index(i) for i in range(b * B, (b + 1) * B)],
+                                 data_cfg)[1].item() for b in range(cfg.eval.batches)) / cfg.eval.batches
+        else:
+            val = batch_loss(model, val_data, [val_order._index(i) for i in range(cfg.eval.batches * B)],
+                             data_cfg)[1].item()
     return {"loss": losses, "grad_norm": norms, "val": val}
+
+
+def with_peft_adapters(model, cfg):
+    """transformers' model as PEFT's LoraModel for model.lora, its A matrices those hpctrain starts from
+    (B is zero in both)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hpctrain.core.spec import lora_of
+    from hpctrain.models.lora import apply_lora
+    from hpctrain.checkpoint.peft_format import peft_name
+
+    lo = lora_of(cfg.model)
+    to_hf = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w2": "down_proj",
+             "w3": "up_proj"}
+    model = get_peft_model(model, LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout, bias="none",
+                                             target_modules=[to_hf[t] for t in lo.targets], task_type="CAUSAL_LM"))
+    theirs = dict(model.named_parameters())
+    ours = build_meta(cfg.model, cfg.data.seq_len)
+    apply_lora(ours, lo.rank, lo.alpha, lo.dropout, lo.targets)
+    arch = hf.architecture(cfg.model)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                t = torch.empty(p.shape)
+                gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
+                init_param_(name, t, cfg.model, gen)
+                theirs[peft_name(name, arch).replace(".weight", ".default.weight")].copy_(t)
+    return model
+
+
+def batch_loss(model, data, idx: list, data_cfg, **kw):
+    """(transformers' output, the mean loss) on samples `idx`. Chat data: transformers' own loss on
+    labels that are -100 outside the loss mask (the whole sample as input, so every target counts)."""
+    rows = torch.stack([torch.as_tensor(data[i]) for i in idx])
+    if getattr(data, "has_loss_mask", False):
+        mask = torch.stack([torch.from_numpy(data.loss_mask(i).copy()) for i in idx]).bool()
+        out = model(input_ids=rows, labels=torch.where(mask, rows, -100), **packed(rows, data_cfg), **kw)
+        return out, out.loss
+    x, y = rows[:, :-1], rows[:, 1:]
+    out = model(input_ids=x, **packed(x, data_cfg), **kw)
+    return out, F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
 
 
 def packed(x: torch.Tensor, data) -> dict:

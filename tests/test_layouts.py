@@ -46,9 +46,14 @@ AUX_FREE = "model.moe.experts=4 model.moe.router=sigmoid model.moe.bias_update_r
 DOCS = "data.document_mask=true data.eos_id=255 data.synthetic_doc_len=12"
 DOCS_POS = f"{DOCS} data.document_positions=true"
 RING = "parallel.cp_attention=ring"
+# Fine-tuning (PEFT's LoraModel on transformers' Llama as the reference, from the same initial adapters;
+# chat data: transformers' loss on labels -100 outside the assistant's turns, documents masked).
+LORA = "model.lora.rank=4 model.lora.alpha=8"
+SFT = ("data.source=shards data.path=@chat model.vocab_size=512 data.seq_len=64 data.document_mask=true "
+       "data.document_positions=true")
 LAYOUTS = {
     # (the grouped GEMM against the loop: tests/test_moe.py, one process)
-    1: [MOE, QWEN3_MOE],
+    1: [MOE, QWEN3_MOE, LORA, SFT],
     2: [f"{MOE} parallel.zero=3", f"{MOE} parallel.pp=2 parallel.dp_shard=1",
         # Expert parallel: all-to-all of uneven splits, expert gradients over ep data-parallel ranks; the
         # aux-free bias under it, with a recomputed forward that must not count its routing twice.
@@ -65,7 +70,14 @@ LAYOUTS = {
         "parallel.zero=3 parallel.grad_sync=step", "parallel.zero=2 parallel.grad_sync=step",
         "parallel.zero=0 parallel.grad_sync=microbatch",
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS,
-        DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full"],
+        DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full",
+        # LoRA: frozen base weights beside trained adapters in FSDP2's groups, DDP, TP (A replicated and B
+        # split for a colwise layer, A split and B replicated for a rowwise one), PP; Hugging Face's names
+        LORA, f"{LORA} parallel.tp=2 parallel.dp_shard=1", f"{LORA} parallel.zero=0",
+        f"{LORA} parallel.pp=2 parallel.dp_shard=1", f"{LORA} model.lora.targets=[q_proj,v_proj,down_proj] parallel.zero=1",
+        # chat data: the trained tokens counted over the whole global batch, whatever each rank holds
+        SFT, f"{SFT} parallel.tp=2 parallel.dp_shard=1", f"{SFT} parallel.pp=2 parallel.dp_shard=1",
+        f"{SFT} parallel.cp=2", f"{SFT} {LORA} parallel.zero=3"],
     4: ["parallel.dp_replicate=2 parallel.dp_shard=2",
         f"{MOE} parallel.ep=2",  # ep 2 x the expert weights FSDP-sharded over the other 2 (efsdp)
         f"{MOE} parallel.ep=2 parallel.pp=2 parallel.dp_shard=2",
@@ -93,15 +105,20 @@ def model_overrides(layout: str) -> tuple:
     return tuple(o for o in layout.split() if o.startswith(("model.", "data.")))
 
 
+def with_paths(layout: str, request) -> str:
+    """The layout with @chat replaced by the chat shards' directory (made only when a layout needs it)."""
+    return layout.replace("@chat", str(request.getfixturevalue("chat_shards"))) if "@chat" in layout else layout
+
+
 @pytest.fixture(scope="module")
-def reference():
+def reference(request):
     """The reference run of the tiny model with a layout's model.* overrides, computed once each."""
     from layout_worker import COMMON
 
     runs = {}
 
     def of(layout: str) -> dict:
-        key = model_overrides(layout)
+        key = model_overrides(with_paths(layout, request))
         if key not in runs:
             runs[key] = reference_run(compose([*COMMON, *key, f"train.steps={STEPS}"]), STEPS)
         return runs[key]
@@ -120,9 +137,10 @@ def results(request, tmp_path_factory):
         if not layouts:
             continue
         d = tmp_path_factory.mktemp(f"world{world}")
-        rc = launch(d, world, cmd=[sys.executable, WORKER, str(d / "out.json"), str(STEPS), *layouts])
+        given = {with_paths(l, request): l for l in layouts}
+        rc = launch(d, world, cmd=[sys.executable, WORKER, str(d / "out.json"), str(STEPS), *given])
         assert rc == 0, (d / "logs").as_posix()
-        out.update({(world, k): v for k, v in json.loads((d / "out.json").read_text()).items()})
+        out.update({(world, given[k]): v for k, v in json.loads((d / "out.json").read_text()).items()})
     return out
 
 

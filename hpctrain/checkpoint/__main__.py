@@ -131,8 +131,10 @@ def main(argv=None) -> int:
     e.add_argument("out", type=Path, help="the file (--format file) or new directory (--format hf) to write")
     e.add_argument("--dtype", choices=("keep", "bf16", "fp32", "fp16"), default="keep",
                    help="the weights' type in the output; keep: as trained (default: %(default)s)")
-    e.add_argument("--format", choices=("file", "hf"), default="file",
-                   help="file: one safetensors file; hf: a Hugging Face directory (Llama, Qwen3, Mixtral, Qwen3-MoE) (default: %(default)s)")
+    e.add_argument("--format", choices=("file", "hf", "peft"), default="file",
+                   help="file: one safetensors file; hf: a Hugging Face directory (Llama, Qwen3, Mixtral, Qwen3-MoE), "
+                        "a LoRA run's adapters merged into the weights; peft: a LoRA run's adapters as a PEFT "
+                        "adapter directory (default: %(default)s)")
     e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file, GB (default: %(default)s)")
     ls = sub.add_parser("list", help="complete checkpoints of a run: step, save time, world size, tokens",
                         description="The complete checkpoints of a run, oldest first: step, save time, world "
@@ -153,6 +155,16 @@ def main(argv=None) -> int:
               f"{store.DCP_METADATA} and {store.INFO}). {complete_near(args.step_dir)}", file=sys.stderr)
         return 2
     try:
+        if args.format == "peft":
+            from hpctrain.checkpoint.peft_format import AdapterError, export_peft
+
+            try:
+                config = export_peft(args.step_dir, args.out)
+            except AdapterError as err:
+                raise hf.HFError(str(err)) from None
+            print(f"wrote a PEFT LoRA adapter (rank {config['r']}, alpha {config['lora_alpha']:g}, "
+                  f"{', '.join(config['target_modules'])}) -> {args.out}")
+            return 0
         if args.format == "hf":
             index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
             files = sorted(set(index["weight_map"].values()))

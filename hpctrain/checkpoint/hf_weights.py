@@ -54,6 +54,8 @@ def load_hf(parts: list, path: str | os.PathLike, model) -> int:
                 continue  # the embedding is loaded; the output is the same tensor
             if name.endswith("moe.router.bias"):
                 continue  # the balancing bias starts at zero; no Hugging Face format holds it
+            if name.endswith(("lora_A", "lora_B")):
+                continue  # adapters: PEFT's format (model.lora.init_from), never the base model's
             if hf.is_expert(name):
                 experts[hf.to_hf(name, arch)] = t
             else:
@@ -116,6 +118,9 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
     # The balancing bias shifts which experts are picked; no Hugging Face format here holds it.
     names = [n for n in names if not n.endswith("moe.router.bias")]
+    # A LoRA run's adapters are merged into their layers' weights (W + alpha / rank B A): a plain model.
+    adapted = {n[:-len("lora_A")] + "weight" for n in names if n.endswith("lora_A")}
+    names = [n for n in names if not n.endswith(("lora_A", "lora_B"))]
     if model_cfg.tie_embeddings:
         names = [n for n in names if n != "output.weight"]
     order = sorted(names, key=_hf_order)
@@ -124,11 +129,18 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
     shards = _plan_shards(sizes, shard_bytes)
     with outdir.replacing(out_dir, TOOL) as tmp:  # refuses a directory holding files it did not write
-        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch)
+        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch, adapted)
+
+
+def _read(step_dir: Path, name: str) -> torch.Tensor:
+    state: dict = {}
+    _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
+                     planner=_EmptyStateDictLoadPlanner(keys={f"model.{name}"}), no_dist=True)
+    return state["model"][name] if "model" in state else state[f"model.{name}"]
 
 
 def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list[str], target: dict,
-           shards: list[list[str]], arch: str) -> dict:
+           shards: list[list[str]], arch: str, adapted: set = frozenset()) -> dict:
     """Write the planned safetensors files, their index, config.json and the tokenizer into the new,
     empty directory `out_dir`; returns the index."""
     seq_len = info["config"]["data"]["seq_len"]
@@ -152,14 +164,15 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
         with open(out_dir / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for n in shard:
-                state: dict = {}
-                _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
-                                 planner=_EmptyStateDictLoadPlanner(keys={f"model.{n}"}), no_dist=True)
-                t = state["model"][n] if "model" in state else state[f"model.{n}"]
+                t = _read(step_dir, n)
+                if n in adapted:  # in fp32, then cast: the update may be far below the weight's bf16 step
+                    layer = n[:-len("weight")]
+                    update = _read(step_dir, layer + "lora_B").float() @ _read(step_dir, layer + "lora_A").float()
+                    t = t.float() + update * (model_cfg.lora.alpha / model_cfg.lora.rank)
                 f.write(t.detach().to(target[n]).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
                 weight_map.update({name: fname for name in hf.hf_names(n, arch, t.shape[0])})
                 total += t.numel() * target[n].itemsize
-                del t, state
+                del t
             f.flush()
             os.fsync(f.fileno())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

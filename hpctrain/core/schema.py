@@ -96,6 +96,23 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the frozen model (model.lora; docs/finetune.md). rank=0: off, every weight trained."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 = no adapters (full training)."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    targets: List[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+    """The linear layers that get adapters, by hpctrain's names or Hugging Face's (q_proj, k_proj, v_proj,
+    o_proj, gate_proj, up_proj, down_proj); the experts of MoE layers have none."""
+    init_from: Optional[str] = None
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to continue from."""
+
+
+@dataclass
 class ModelConfig:
     """The Llama model: its shape, RoPE and initialization, or a Hugging Face model to start from
     (the `model` group)."""
@@ -140,6 +157,8 @@ class ModelConfig:
     """RMSNorm over each query and key head before RoPE (Qwen3)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-Experts layers (experts=0: none)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (rank=0: none): the base weights frozen, only the adapters trained."""
     init_from: Optional[str] = None
     """A Hugging Face Llama directory (config.json + *.safetensors) to start from; its config.json
     must agree with the model keys above (`python -m hpctrain.core.hf_format config DIR` prints them)."""

@@ -157,6 +157,27 @@ class Knobs:
 
 
 @dataclass(frozen=True)
+class LoRA:
+    """Adapters on the frozen model (model.lora with rank > 0), targets by hpctrain's layer names."""
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple
+
+
+# Hugging Face's names of the block's linear layers (Llama, Qwen, Mixtral), as model.lora.targets may give them.
+HF_LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "down_proj": "w2",
+             "up_proj": "w3"}
+
+
+def lora_of(model) -> Optional[LoRA]:
+    lo = getattr(model, "lora", None)
+    if lo is None or lo.rank <= 0:
+        return None
+    return LoRA(int(lo.rank), float(lo.alpha), float(lo.dropout), tuple(HF_LINEAR.get(t, t) for t in lo.targets))
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     knobs: Knobs  # what was asked for; the fields below are what the engine does with it
     # ddp | zero1 (DDP + ZeroRedundancyOptimizer) | replicate (FSDP2's replicate: ZeRO-0 with TP/PP) |
@@ -177,6 +198,7 @@ class EngineSpec:
     grad_sync: str = "step"
     # sequence-parallel inputs re-gathered in backward (parallel.sp_regather, with TP and not compiled)
     sp_regather: bool = False
+    lora: Optional[LoRA] = None  # adapters on the frozen model (model.lora)
 
     # The knobs the engine takes as they are, read through the spec so callers need not know which are.
     @property
@@ -552,4 +574,4 @@ def build(model: ModelConfig, k: Knobs, *, nodes: int = 1, ranks_per_node: int =
         microbatches=microbatches(k.global_batch, lay.dp, k.micro_batch), nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
         backend=backend_for(backend, device, True), params=param_counts(model)["total"],
         flops_per_token=train_flops_per_token(model, k.seq_len), grad_sync=grad_sync(str(k.grad_sync), zero, lay),
-        sp_regather=bool(k.sp_regather) and lay.tp > 1 and not k.compile)
+        sp_regather=bool(k.sp_regather) and lay.tp > 1 and not k.compile, lora=lora_of(model))

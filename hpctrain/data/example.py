@@ -4,7 +4,9 @@ BPE tokenizer trained on them by the `tokenizers` library.
 
     python -m hpctrain.data.example OUT [--mb 2] [--vocab 2048]
 
-writes OUT/corpus.jsonl, OUT/tokenizer.json and OUT/tokenizer_config.json; then
+writes OUT/corpus.jsonl, OUT/chat.jsonl (a question about each documented object, its docstring as the
+answer: a fine-tuning set), OUT/tokenizer.json and OUT/tokenizer_config.json (with a ChatML chat template);
+then
 `python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json --val-fraction 0.05`.
 """
 from __future__ import annotations
@@ -22,6 +24,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from hpctrain.core.outdir import OutputDirError, replacing
 
 EOS = "<|endoftext|>"
+TURN = ("<|im_start|>", "<|im_end|>")  # ChatML's turn markers, special tokens of the example tokenizer
+# ChatML, the template of many chat models (Qwen, Hermes, ...): a turn is <|im_start|>ROLE\nTEXT<|im_end|>\n.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
+SYSTEM = "You explain what the modules, classes and functions of Python's standard library are for."
 KINDS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo"}
 
@@ -48,7 +56,7 @@ def stdlib_documents(limit_bytes: int) -> Iterator[dict]:
             if not docs:
                 continue
             text = "\n\n".join(docs)
-            yield {"text": text, "module": module}
+            yield {"text": text, "module": module, "name": getattr(node, "name", None)}
             total += len(text.encode())
             if total >= limit_bytes:
                 return
@@ -59,10 +67,25 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, *TURN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def conversation(doc: dict, i: int) -> dict:
+    """A question about a documented object and its docstring's first paragraph as the answer; every
+    third through a tool turn (the docstring looked up), every other with a system turn."""
+    what = f"{doc['module']}.{doc['name']}" if doc["name"] else doc["module"]
+    answer = doc["text"].split("\n\n")[0].strip()[:600]
+    question = f"What is {what} for?"
+    messages = [{"role": "system", "content": SYSTEM}] if i % 2 == 0 else []
+    messages.append({"role": "user", "content": question})
+    if i % 3 == 0:
+        messages += [{"role": "assistant", "content": f"Looking up the documentation of {what}."},
+                     {"role": "tool", "content": doc["text"][:800]}]
+    messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages}
 
 
 def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
@@ -71,12 +94,16 @@ def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
         docs = list(stdlib_documents(int(megabytes * 1e6)))
         with open(tmp / "corpus.jsonl", "w") as f:
             for d in docs:
-                f.write(json.dumps(d) + "\n")
+                f.write(json.dumps({"text": d["text"], "module": d["module"]}) + "\n")
+        with open(tmp / "chat.jsonl", "w") as f:  # the fine-tuning example (docs/finetune.md)
+            for i, d in enumerate(docs):
+                f.write(json.dumps(conversation(d, i)) + "\n")
         tok = train_tokenizer([d["text"] for d in docs], vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
-            "model_max_length": 1 << 20}, indent=1))
+            "model_max_length": 1 << 20, "chat_template": CHAT_TEMPLATE,
+            "additional_special_tokens": list(TURN)}, indent=1))
     return {"documents": len(docs), "bytes": sum(len(d["text"].encode()) for d in docs),
             "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
 

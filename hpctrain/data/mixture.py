@@ -66,3 +66,16 @@ class Mixture:
         s, i = self.source_of(k)
         epoch, pos = divmod(i, len(self.datasets[s]))
         return self.datasets[s][int(self._perm(s, epoch)[pos])]
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return any(getattr(d, "has_loss_mask", False) for d in self.datasets)
+
+    def loss_mask(self, k: int) -> np.ndarray:
+        """Sample k's loss mask; all ones for a source without one (plain text: every token trained)."""
+        s, pos = self.source_of(k)
+        epoch, pos = divmod(pos, len(self.datasets[s]))
+        index = int(self._perm(s, epoch)[pos])
+        if getattr(self.datasets[s], "has_loss_mask", False):
+            return self.datasets[s].loss_mask(index)
+        return np.ones(self.datasets[s].seq_len + 1, dtype=np.uint8)

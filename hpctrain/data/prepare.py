@@ -52,10 +52,14 @@ class _SplitWriter:
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.shards: list[dict] = []
         self.pending: list[np.ndarray] = []
-        self.pending_tokens = self.tokens = self.documents = 0
+        self.masks: list[np.ndarray] = []  # loss masks (chat and prompt data), one uint8 per token
+        self.pending_tokens = self.tokens = self.documents = self.trained = 0
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.pending.append(ids)
+        if mask is not None:
+            self.masks.append(mask)
+            self.trained += int(mask.sum())
         self.pending_tokens += len(ids)
         self.tokens += len(ids)
         self.documents += 1
@@ -70,11 +74,17 @@ class _SplitWriter:
         np.concatenate(self.pending).astype(self.dtype, copy=False).tofile(tmp)
         os.replace(tmp, self.out / name)
         self.shards.append({"file": name, "tokens": self.pending_tokens})
-        self.pending, self.pending_tokens = [], 0
+        if self.masks:
+            mask_name = name[:-len(".bin")] + ".mask"
+            np.concatenate(self.masks).astype(np.uint8).tofile(self.out / (mask_name + ".tmp"))
+            os.replace(self.out / (mask_name + ".tmp"), self.out / mask_name)
+            self.shards[-1]["mask"] = mask_name
+        self.pending, self.masks, self.pending_tokens = [], [], 0
 
     def summary(self) -> dict:
         self.flush()
-        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
+        out = {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
+        return out | ({"trained_tokens": self.trained} if any("mask" in s for s in self.shards) else {})
 
 
 def _batches(files: list[Path], text_field: str, stats: dict) -> Iterator[list[str]]:
@@ -194,6 +204,97 @@ def _write(encoder: Encoder, files: list[Path], src: Path, out: Path, workers: i
     return meta
 
 
+def _records(files: list[Path]) -> Iterator[tuple[dict, str]]:
+    """(record, "file:line") per JSON line of `files`."""
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line), f"{f}:{n}"
+                except (ValueError, RecursionError) as e:
+                    raise CorpusError(f"{f}:{n} is not a JSON object ({e}). Fix: one JSON object per line") from None
+
+
+def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | None = None, val_fraction: float = 0.01,
+                    seed: int = 0, seq_len: int | None = None, too_long: str = "truncate", pack: bool = True,
+                    shard_bytes: int = 64 << 20, progress=None) -> dict:
+    """Conversations (fmt chat) or prompt/completion pairs (fmt prompt) of JSON-lines files to shards
+    with a loss mask beside each (hpctrain.data.chat). With `seq_len`, the sequences are laid out in
+    windows of seq_len tokens (data.seq_len must then be the same): a record longer than a window is
+    truncated (its last token the end-of-document id) or refused (`too_long`), and one that does not
+    fit in what is left of a window starts the next (the rest padded with untrained end-of-document
+    ids); pack=False gives every record a window of its own (padding)."""
+    from hpctrain.data import chat
+
+    src, out = Path(src), Path(out)
+    files = corpus_files(src, JSONL)
+    if not files:
+        raise CorpusError(f"no .jsonl files under {src}. Fix: --format {fmt} reads JSON lines")
+    if tokenizer is None:
+        raise TokenizerError(f"--format {fmt} needs --tokenizer: the model's tokenizer.json (and, for chat, the "
+                             f"tokenizer_config.json beside it with its chat template)")
+    if _inside(out, src):
+        raise OutputDirError(f"{out} is inside the corpus directory {src}. Fix: write the shards outside {src}")
+    encoder = Encoder(tokenizer, eos)
+    tok = encoder._load()
+    template = chat.ChatTemplate.of(encoder.path) if fmt == "chat" else None
+    with outdir.replacing(out, TOOL) as tmp:
+        shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize)
+        if seq_len:
+            shard_tokens = max(1, shard_tokens // seq_len) * seq_len  # windows never cross a shard
+        writers = {s: _SplitWriter(tmp, s, encoder.dtype, shard_tokens) for s in SPLITS}
+        fill = {s: 0 for s in SPLITS}  # tokens in the current window of each split
+        t0, stats = time.monotonic(), {"truncated": 0, "records": 0}
+        for i, (record, where) in enumerate(_records(files)):
+            chat.check_record(record, fmt, where)
+            ids, mask = chat.encode(record, fmt, tok, template, encoder.eos_id)
+            if fmt == "chat" and (ids[:-1] == encoder.eos_id).any():
+                raise CorpusError(f"{where}: the end-of-document token {encoder.eos!r} occurs inside the rendered "
+                                  f"conversation (the template ends turns with it): documents would be cut at every "
+                                  f"turn. Fix: --eos <the tokenizer's end-of-text token, e.g. <|end_of_text|> or "
+                                  f"<|endoftext|>>")
+            split = "val" if is_val(i, val_fraction, seed) else "train"
+            w = writers[split]
+            if seq_len:
+                if len(ids) > seq_len:
+                    if too_long == "refuse":
+                        raise CorpusError(f"{where}: {len(ids):,} tokens, longer than --seq-len {seq_len}. Fix: "
+                                          f"--too-long truncate, a larger --seq-len, or drop the record")
+                    ids = np.append(ids[:seq_len - 1], encoder.eos_id)
+                    mask = np.append(mask[:seq_len - 1], mask[-1])
+                    stats["truncated"] += 1
+                room = seq_len - fill[split]
+                if fill[split] and (not pack or len(ids) > room):
+                    w.add(np.full(room, encoder.eos_id, dtype=np.int64), np.zeros(room, np.uint8))
+                    w.documents -= 1  # padding, not a record
+                    fill[split] = 0
+                fill[split] = (fill[split] + len(ids)) % seq_len
+            w.add(ids, mask)
+            stats["records"] += 1
+            if progress and stats["records"] % 10000 == 0:
+                progress(f"prepare: {stats['records']:,} records, {sum(x.tokens for x in writers.values()):,} tokens")
+        if not stats["records"]:
+            raise CorpusError(f"{src} holds no records. Fix: one JSON object per line")
+        for split, w in writers.items():  # one extra token: the last window's last target
+            if w.documents:
+                pad = (seq_len - fill[split]) % seq_len + 1 if seq_len else 1
+                w.add(np.full(pad, encoder.eos_id, dtype=np.int64), np.zeros(pad, np.uint8))
+                w.documents -= 1
+        splits = {s: w.summary() for s, w in writers.items() if w.documents}
+        warnings = []
+        if stats["truncated"]:
+            warnings.append(f"{stats['truncated']} record(s) longer than --seq-len {seq_len} were truncated")
+        meta = {"format": 2, "records": fmt, "loss_mask": True, "window": seq_len or 0,
+                "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
+                "tokenizer": _copy_tokenizer(encoder, tmp), "val_fraction": val_fraction, "seed": seed,
+                "files": len(files), "text_bytes": sum(f.stat().st_size for f in files), "documents": stats["records"],
+                "splits": splits, "warnings": warnings, "seconds": round(time.monotonic() - t0, 3)}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        return meta
+
+
 def _copy_tokenizer(encoder: Encoder, out: Path) -> dict:
     """A copy of tokenizer.json (and its config) beside the shards: training, export and generation
     then read the very tokenizer the ids came from."""
@@ -228,28 +329,57 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="which documents go to validation (default: %(default)s)")
     ap.add_argument("--text-field", default="text", help="the JSON key or Parquet column holding the text (default: %(default)s)")
     ap.add_argument("--shard-mb", type=int, default=64, help="megabytes of tokens per shard file (default: %(default)s)")
+    ap.add_argument("--format", choices=("text", "chat", "prompt"), default="text",
+                    help="text: documents; chat: JSON lines of {\"messages\": [{role, content}]} rendered with the "
+                         "tokenizer's chat template, the loss on the assistant's turns; prompt: {prompt, completion} "
+                         "lines, the loss on the completion (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=0,
+                    help="chat/prompt: lay records out in windows of data.seq_len tokens, none split across two "
+                         "(0: packed back to back) (default: %(default)s)")
+    ap.add_argument("--too-long", choices=("truncate", "refuse"), default="truncate",
+                    help="chat/prompt with --seq-len: a record longer than a window (default: %(default)s)")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="chat/prompt with --seq-len: one record per window, the rest padded (no document mask needed)")
     ap.add_argument("--ext", default=",".join(TEXT + JSONL + PARQUET), help="file endings to read, comma-separated (default: %(default)s)")
     args = ap.parse_args(argv)
     if not args.src.exists():
         print(f"error: {args.src} does not exist", file=sys.stderr)
         return 2
+    if args.format != "text" and args.no_pack and not args.seq_len:
+        print("error: --no-pack pads each record to a window: give --seq-len (data.seq_len)", file=sys.stderr)
+        return 2
     try:
-        meta = prepare(args.src, args.out, args.tokenizer, eos=args.eos, workers=args.workers,
-                       val_fraction=args.val_fraction, seed=args.seed, shard_bytes=args.shard_mb << 20,
-                       exts=tuple(args.ext.split(",")), text_field=args.text_field,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if args.format != "text":
+            from hpctrain.data.chat import ChatError
+
+            try:
+                meta = prepare_records(args.src, args.out, args.tokenizer, args.format, eos=args.eos,
+                                       val_fraction=args.val_fraction, seed=args.seed, seq_len=args.seq_len or None,
+                                       too_long=args.too_long, pack=not args.no_pack, shard_bytes=args.shard_mb << 20,
+                                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+            except ChatError as e:
+                raise CorpusError(str(e)) from None
+        else:
+            meta = prepare(args.src, args.out, args.tokenizer, eos=args.eos, workers=args.workers,
+                           val_fraction=args.val_fraction, seed=args.seed, shard_bytes=args.shard_mb << 20,
+                           exts=tuple(args.ext.split(",")), text_field=args.text_field,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (CorpusError, TokenizerError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_line(meta["text_bytes"], meta["documents"], sum(s["tokens"] for s in meta["splits"].values()),
                 meta["seconds"]))
     for name, s in meta["splits"].items():
-        print(f"  {name}: {s['tokens']:,} tokens, {s['documents']:,} documents, {len(s['shards'])} shards")
+        trained = f" ({s['trained_tokens']:,} trained)" if "trained_tokens" in s else ""
+        print(f"  {name}: {s['tokens']:,} tokens{trained}, {s['documents']:,} documents, {len(s['shards'])} shards")
     for w in meta["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
+    extra = f" data.seq_len={meta['window']}" if meta.get("window") else ""
+    if meta.get("loss_mask"):
+        extra += " data.document_mask=true data.document_positions=true"
     print(f"train on it with: python -m hpctrain data=shards data.path={args.out.resolve()} "
-          f"model.vocab_size={meta['vocab_size']}")
+          f"model.vocab_size={meta['vocab_size']}{extra}")
     return 0
 
 

@@ -112,6 +112,8 @@ def problems(path: str | os.PathLike, splits: Sequence[str] | None = None, limit
                 continue
             if not f.is_file():
                 out.append(f"{f} is not a file ({META} lists it as a shard of the {split} split). {recopy}")
+            elif "mask" in shard and _mask_problem(d, shard, tokens):
+                out.append(_mask_problem(d, shard, tokens) + f" {recopy}")
             elif itemsize and size != tokens * itemsize:
                 have = f"{size:,} bytes ({size // itemsize:,} tokens of {dtype})"
                 why = ("cut short: an interrupted copy or prepare" if size < tokens * itemsize else
@@ -119,6 +121,19 @@ def problems(path: str | os.PathLike, splits: Sequence[str] | None = None, limit
                 out.append(f"{f} holds {have} but {META} says {tokens:,} tokens ({tokens * itemsize:,} bytes): "
                            f"{why}. {recopy}")
     return out[:limit] + ([f"... and {len(out) - limit} more like these"] if len(out) > limit else [])
+
+
+def _mask_problem(d: Path, shard: dict, tokens: int) -> str | None:
+    name = shard["mask"]
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        return f"{d / META}: mask={json.dumps(name)[:60]} is not the name of a file in {d}."
+    try:
+        size = (d / name).stat().st_size
+    except (OSError, ValueError):
+        return f"{d / name} (the loss mask of {shard['file']}) is missing."
+    if size != tokens:
+        return f"{d / name} holds {size:,} bytes but its shard has {tokens:,} tokens (one mask byte each)."
+    return None
 
 
 def split_tokens(meta: dict, split: str) -> int:
@@ -145,6 +160,10 @@ class ShardDataset:
         dtype = np.dtype(meta["dtype"])
         self.shards = [np.memmap(Path(path) / s["file"], dtype=dtype, mode="r", shape=(s["tokens"],))
                        for s in part["shards"]]
+        # Chat and prompt data (prepare --format chat|prompt): 1 per token the loss is computed on.
+        self.has_loss_mask = bool(part["shards"]) and all("mask" in s for s in part["shards"])
+        self.masks = [np.memmap(Path(path) / s["mask"], dtype=np.uint8, mode="r", shape=(s["tokens"],))
+                      for s in part["shards"]] if self.has_loss_mask else []
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.starts = np.cumsum([0] + counts).tolist()
         if self.starts[-1] == 0:
@@ -155,8 +174,16 @@ class ShardDataset:
         return self.starts[-1]
 
     def __getitem__(self, index: int) -> np.ndarray:
+        k, off = self._locate(index)
+        return np.asarray(self.shards[k][off: off + self.seq_len + 1], dtype=np.int64)
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        """Sample `index`'s loss mask (1: the token is trained as a target), aligned with its tokens."""
+        k, off = self._locate(index)
+        return np.asarray(self.masks[k][off: off + self.seq_len + 1], dtype=np.uint8)
+
+    def _locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
             raise IndexError(index)
         k = bisect.bisect_right(self.starts, index) - 1
-        off = (index - self.starts[k]) * self.seq_len
-        return np.asarray(self.shards[k][off: off + self.seq_len + 1], dtype=np.int64)
+        return k, (index - self.starts[k]) * self.seq_len

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from hpctrain.models.lora import init_lora_
+
 from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import head_dim, moe_layer
 from hpctrain.models.attention import causal_attention
@@ -200,6 +202,8 @@ def init_param_(name: str, t: torch.Tensor, a: ModelConfig, generator: torch.Gen
     generating each full parameter with a generator seeded from its name and keeping its shard.
     """
     leaf = name.rsplit(".", 2)
+    if init_lora_(name, t, generator):
+        return
     if name.endswith("norm.weight"):
         nn.init.ones_(t)
     elif name == "tok_embeddings.weight":

@@ -1,5 +1,5 @@
 """Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation checkpointing -> sequence-parallel re-gather -> compile
+pipeline split -> tensor parallel -> expert parallel -> context parallel -> LoRA adapters -> activation checkpointing -> sequence-parallel re-gather -> compile
 -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from hpctrain.models.lora import apply_lora
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
@@ -59,6 +60,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_ep(part, meshes.ep, meshes.world[("ep", "tp")] if spec.layout.tp > 1 else None)
         if spec.layout.cp > 1:
             apply_cp(part, meshes.cp, spec.cp_attention)
+        if spec.lora:  # after TP: the adapters are split as their layer is
+            apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
         if spec.ac != "none":
             apply_ac(part, spec.ac, spec.ac_every)
         if spec.sp_regather:

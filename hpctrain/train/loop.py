@@ -21,7 +21,7 @@ from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset, eos_id
 from hpctrain.train.batch import BatchLayout
-from hpctrain.train.sampler import StepSampler
+from hpctrain.train.sampler import IGNORE, StepSampler
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models.llama import build_meta, init_param_
 from hpctrain.parallel import parallelize
@@ -108,7 +108,9 @@ class Trainer:
         self.batch = BatchLayout(eos, cfg.data.document_mask, cfg.data.document_positions,
                                  self.meshes.cp.get_local_rank() if self.meshes.cp is not None else 0,
                                  self.spec.layout.cp)
-        self.sampler = StepSampler(build_dataset(cfg), cfg.train.global_batch, cfg.train.micro_batch,
+        dataset = build_dataset(cfg)
+        self.sampler_masked = bool(getattr(dataset, "has_loss_mask", False))
+        self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
                                    self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
         self.progress = Progress()
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, {
@@ -137,11 +139,18 @@ class Trainer:
 
     def resume(self, warn) -> None:
         """Continue from the newest complete checkpoint in the run directory, if there is one; else
-        start from model.init_from's weights where given."""
+        start from model.init_from's weights where given (and model.lora.init_from's adapters)."""
         self.resumed_from = self.ckpt.resume(warn)
-        if self.resumed_from is None and self.cfg.model.init_from:
+        if self.resumed_from is not None:
+            return
+        if self.cfg.model.init_from:
             load_hf(self.parts, self.cfg.model.init_from, self.cfg.model)
             log.info("weights from %s", self.cfg.model.init_from)
+        if self.spec.lora and self.cfg.model.lora.init_from:
+            from hpctrain.checkpoint.peft_format import load_peft
+
+            n = load_peft(self.parts, self.cfg.model.lora.init_from, self.cfg.model)
+            log.info("%d adapter tensors from %s", n, self.cfg.model.lora.init_from)
 
     # ------------------------------------------------------------ one step
 
@@ -169,9 +178,25 @@ class Trainer:
             stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.spec.dtypes.compute)))
         return stack
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part of the step's loss: its summed token losses times _loss_scale."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        return loss * self._loss_scale
+
+    _loss_scale = 1.0
+
+    def _scale_loss_for(self, micro, pipelined: bool, masked: bool) -> None:
+        """The step's loss is the mean over the trained tokens of the whole global batch (chat data: the
+        assistant's; else every token), however they fall on micro-batches and ranks. Data-parallel
+        gradients are averaged over dp_mesh (context-parallel ranks included) and pipeline schedules
+        divide by the micro-batches: both are undone here."""
+        if masked:
+            n = torch.tensor(float(sum(int((y != IGNORE).sum()) for _, y in micro)), device=self.device)
+            dist.all_reduce(n, group=self.meshes.data.get_group())
+            count = max(n.item(), 1.0)
+        else:
+            count = self.cfg.train.global_batch * self.cfg.data.seq_len
+        self._loss_scale = self.dp_mesh.size() * (len(micro) if pipelined else 1) / count
 
     def _pipeline_schedule(self):
         # heavy (~2 s: it pulls in torch._dynamo): only ranks of a pipelined layout pay for it
@@ -189,11 +214,12 @@ class Trainer:
 
     def _forward_backward(self, micro) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
+        self._scale_loss_for(micro, pipelined=False, masked=self.sampler_masked)
         for i, (x, y) in enumerate(micro):
             x, y, kw = self._on_device(*self.batch(x, y))
             with self._sync_context(i == len(micro) - 1), self._compute_context():
                 with self._phase("forward"):
-                    loss = self.loss_fn(self.parts[0](x, **kw), y) / len(micro)
+                    loss = self.loss_fn(self.parts[0](x, **kw), y)
                 with self._phase("backward"):
                     loss.backward()
             loss_sum += _plain(loss.detach())
@@ -204,6 +230,7 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), kw
 
     def _pipeline_forward_backward(self, micro) -> torch.Tensor:
+        self._scale_loss_for(micro, pipelined=True, masked=self.sampler_masked)
         x, y, kw = self._on_device(*self.batch(torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])))
         losses: list = []
         args = (x,) if self.par.first else ()
@@ -262,13 +289,16 @@ class Trainer:
         return total.item() / cfg.eval.batches
 
     def _eval_batch(self, micro) -> torch.Tensor:
+        # forward_only (pipelines) averages over micro-batches, as a schedule does
+        self._scale_loss_for(micro, pipelined=self.schedule is not None,
+                             masked=bool(getattr(self._val_data, "has_loss_mask", False)))
         if self.schedule is None:
             loss = torch.zeros((), device=self.device)
             for x, y in micro:
                 x, y, kw = self._on_device(*self.batch(x, y))
                 with self._compute_context():
                     logits = self.parts[0](x, **kw)
-                    loss += _plain(self.loss_fn(logits, y).detach()) / len(micro)
+                    loss += _plain(self.loss_fn(logits, y).detach())
             return loss
         p = self.spec.pipeline
         owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]

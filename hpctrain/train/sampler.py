@@ -11,6 +11,9 @@ import numpy as np
 import torch
 
 
+IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index, Hugging Face's label convention)
+
+
 class StepSampler:
     def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
                  seed: int, shuffle: bool = True):
@@ -38,10 +41,15 @@ class StepSampler:
         return int(self._perm[j])
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for the next optimizer step, as (inputs, targets)."""
+        """This rank's micro-batches for the next optimizer step, as (inputs, targets); a target outside
+        the dataset's loss mask (chat data: every token but the assistant's) is IGNORE."""
         per_rank = self.global_batch // self.dp_size
         start = self.position + self.dp_rank * per_rank
-        rows = np.stack([self.ds[self._index(start + i)] for i in range(per_rank)])
+        indices = [self._index(start + i) for i in range(per_rank)]
+        t = torch.from_numpy(np.stack([self.ds[i] for i in indices]))
         self.position += self.global_batch
-        t = torch.from_numpy(rows)
-        return [(mb[:, :-1], mb[:, 1:]) for mb in t.split(self.micro_batch)]
+        y = t[:, 1:]
+        if getattr(self.ds, "has_loss_mask", False):  # chat data: untrained targets are ignored (-100)
+            mask = torch.from_numpy(np.stack([self.ds.loss_mask(i) for i in indices]))[:, 1:]
+            y = torch.where(mask.bool(), y, IGNORE)
+        return list(zip(t[:, :-1].split(self.micro_batch), y.split(self.micro_batch)))

@@ -1,0 +1,132 @@
+"""LoRA adapters in PEFT's format: adapter_config.json and adapter_model.safetensors, the tensors named
+as PEFT's LoraModel names them on a transformers model (base_model.model.<the layer's Hugging Face
+name>.lora_A.weight). `export_peft` writes a checkpoint's adapters so that peft.PeftModel.from_pretrained
+loads them; `load_peft` reads such a directory into a model's adapters (model.lora.init_from).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from hpctrain.core import hf_format as hf
+from hpctrain.core import outdir
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+TOOL = "hpctrain.checkpoint export --format peft"
+PREFIX = "base_model.model."
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be used; the message says why and how to fix it."""
+
+
+def peft_name(name: str, arch: str) -> str:
+    """hpctrain's layers.0.attention.wq.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    layer, which = name.rsplit(".", 1)
+    return PREFIX + hf.to_hf(f"{layer}.weight", arch)[:-len("weight")] + f"{which}.weight"
+
+
+def adapter_config(lora, arch: str, base: str | None) -> dict:
+    """PEFT's LoraConfig fields for model.lora."""
+    from hpctrain.core.spec import HF_LINEAR
+
+    to_hf = {v: k for k, v in HF_LINEAR.items()}
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora.rank), "lora_alpha": float(lora.alpha),
+            "lora_dropout": float(lora.dropout), "target_modules": sorted(to_hf.get(t, t) for t in lora.targets),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True, "base_model_name_or_path": base,
+            "auto_mapping": {"base_model_class": arch, "parent_library": "transformers.models"}}
+
+
+def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
+    """Write the adapters of a LoRA run's checkpoint as a PEFT adapter directory; returns its config."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hpctrain.checkpoint.directories import read_info
+    from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
+    from hpctrain.checkpoint.hf_weights import model_config
+
+    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    md = read_metadata(step_dir)
+    check_files(step_dir, md)
+    info = read_info(step_dir)
+    model_cfg = model_config(info["config"]["model"])
+    keys = {k for k in md.state_dict_metadata if k.startswith("model.") and k.endswith(("lora_A", "lora_B"))}
+    if not keys or model_cfg.lora.rank <= 0:
+        raise AdapterError(f"{step_dir} holds no LoRA adapters (a run without model.lora.rank). Fix: export its "
+                           f"weights with --format hf instead")
+    arch = hf.architecture(model_cfg)
+    state: dict = {}
+    _load_state_dict(state, storage_reader=SafeReader(str(step_dir)), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                     no_dist=True)
+    flat = state["model"] if "model" in state else {k[len("model."):]: v for k, v in state.items()}
+    tensors = {peft_name(k, arch): v.detach().contiguous() for k, v in flat.items()}
+    config = adapter_config(model_cfg.lora, arch, info["config"]["model"].get("init_from"))
+    with outdir.replacing(out_dir, TOOL) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+    return config
+
+
+def read_adapter(path: str | os.PathLike, lora) -> dict:
+    """{PEFT name: tensor} of an adapter directory, checked against model.lora (rank, alpha, targets)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    try:
+        cfg = json.loads((d / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{d / CONFIG} cannot be read ({e}): model.lora.init_from must be a PEFT adapter "
+                           f"directory (adapter_config.json, adapter_model.safetensors)") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{d / CONFIG} is not a LoRA adapter's config")
+    if cfg.get("r") != lora.rank or float(cfg.get("lora_alpha", -1)) != float(lora.alpha):
+        raise AdapterError(f"{d} has rank {cfg.get('r')} and alpha {cfg.get('lora_alpha')}, the run asks for "
+                           f"model.lora.rank={lora.rank} model.lora.alpha={lora.alpha}. Fix: set them to the adapter's")
+    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
+        raise AdapterError(f"{d / CONFIG}: rsLoRA, DoRA and fan_in_fan_out adapters are not supported")
+    try:
+        return load_file(str(d / WEIGHTS))
+    except (OSError, Exception) as e:  # safetensors raises its own error type on a damaged file
+        raise AdapterError(f"{d / WEIGHTS} cannot be read ({e}). Fix: export or download the adapter again") from None
+
+
+def _plain(name: str) -> str:
+    """The plain model's name of a parameter, whatever wraps it (DDP, checkpointing, torch.compile)."""
+    name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+@torch.no_grad()
+def load_peft(parts: list, path: str | os.PathLike, model_cfg) -> int:
+    """Fill the adapters of this rank's model parts from a PEFT adapter directory; returns how many."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    arch = hf.architecture(model_cfg)
+    tensors = read_adapter(path, model_cfg.lora)
+    n = 0
+    for part in parts:
+        for name, p in part.named_parameters():
+            plain = _plain(name)
+            if not plain.endswith(("lora_A", "lora_B")):
+                continue
+            key = peft_name(plain, arch)
+            if key not in tensors:
+                raise AdapterError(f"{path}/{WEIGHTS} has no {key}: its target_modules differ from "
+                                   f"model.lora.targets. Fix: set model.lora.targets to the adapter's")
+            full = tensors[key].to(p.dtype)
+            if tuple(full.shape) != tuple(p.shape):
+                raise AdapterError(f"{path}: {key} is {tuple(full.shape)}, this model's is {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
+                                                     src_data_rank=None).to_local())
+            else:
+                p.copy_(full)
+            n += 1
+    return n

@@ -1,0 +1,146 @@
+"""Conversations to token ids and a loss mask, rendered with the model's own chat template.
+
+A record is a JSON object: {"messages": [{"role", "content"}, ...]} (format chat; optional "tools"), or
+{"prompt", "completion"} (format prompt). The chat template is tokenizer_config.json's `chat_template`,
+a Jinja template rendered the way transformers' `apply_chat_template` renders it (a sandboxed
+environment with trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception` and
+`strftime_now`, and the special tokens as variables), then tokenized without added special tokens.
+
+The loss mask marks the tokens of the assistant's turns: for each assistant message, the text the
+template adds when that message is appended to the conversation rendered up to it with the generation
+prompt (its content and end-of-turn marker, not the role header the prompt already holds). A template
+that renders earlier turns differently as the conversation grows has no such spans and is refused.
+Format prompt: prompt + completion as plain text, the loss on the completion and the end-of-document id.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatError(ValueError):
+    """A record or template that cannot be rendered; the message says which and how to fix it."""
+
+
+def _token_text(v) -> str | None:
+    v = v.get("content") if isinstance(v, dict) else v
+    return v if isinstance(v, str) else None
+
+
+class ChatTemplate:
+    """tokenizer_config.json's chat template, compiled once."""
+
+    def __init__(self, source: str, special: dict[str, str] | None = None):
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):  # {% generation %}: transformers' assistant marker; renders its body
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatError(f"the chat template does not compile ({e}). Fix: correct tokenizer_config.json's "
+                            f"chat_template") from None
+        self.special = dict(special or {})
+
+    @classmethod
+    def of(cls, tokenizer_json: str | Path) -> "ChatTemplate":
+        """The template of the tokenizer_config.json beside `tokenizer_json`."""
+        cfg_path = Path(tokenizer_json).parent / "tokenizer_config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ChatError(f"{cfg_path} cannot be read ({e}): --format chat renders with its chat_template. "
+                            f"Fix: use the model's tokenizer directory, which has one") from None
+        source = cfg.get("chat_template") if isinstance(cfg, dict) else None
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            raise ChatError(f"{cfg_path} has no chat_template: a base model's tokenizer. Fix: use the chat "
+                            f"(instruct) model's tokenizer, or --format prompt for prompt/completion pairs")
+        return cls(source, {k: t for k in SPECIAL if (t := _token_text(cfg.get(k))) is not None})
+
+    def render(self, messages: list, tools=None, add_generation_prompt: bool = False) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages, tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.special)
+        except jinja2.TemplateError as e:
+            raise ChatError(f"the chat template refused the conversation: {e}") from None
+
+    def assistant_spans(self, messages: list, tools=None) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the character spans of the assistant's turns)."""
+        text = self.render(messages, tools)
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], tools, add_generation_prompt=True)
+            upto = self.render(messages[:i + 1], tools)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise ChatError(f"the chat template renders turn {i} differently once later turns follow (it edits "
+                                f"earlier turns, as reasoning templates drop old thinking): the assistant's tokens "
+                                f"cannot be told apart. Fix: split the conversation at its last assistant turn")
+            if len(upto) > len(before):
+                spans.append((len(before), len(upto)))
+        return text, spans
+
+
+def check_record(record, fmt: str, where: str) -> None:
+    if not isinstance(record, dict):
+        raise ChatError(f"{where}: a JSON object per line is expected, not {type(record).__name__}")
+    if fmt == "prompt":
+        for key in ("prompt", "completion"):
+            if not isinstance(record.get(key), str):
+                raise ChatError(f"{where}: --format prompt needs string fields \"prompt\" and \"completion\"; "
+                                f"{key!r} is {json.dumps(record.get(key))[:40]}")
+        return
+    msgs = record.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                        for m in msgs):
+        raise ChatError(f"{where}: --format chat needs \"messages\": a list of {{\"role\", \"content\"}} objects")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ChatError(f"{where}: the conversation has no assistant turn: nothing to train on. Fix: drop it, "
+                        f"or add the assistant's answer")
+
+
+def encode(record: dict, fmt: str, tok, template: ChatTemplate | None, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one record, the end-of-document id appended (trained in format prompt: the model
+    learns to stop; in format chat the template's end-of-turn marker does that)."""
+    if fmt == "prompt":
+        text, spans = record["prompt"] + record["completion"], [(len(record["prompt"]), None)]
+    else:
+        text, spans = template.assistant_spans(record["messages"], record.get("tools"))
+    enc = tok.encode(text, add_special_tokens=False)
+    starts = np.array([s for s, _ in enc.offsets], dtype=np.int64) if enc.offsets else np.zeros(0, np.int64)
+    mask = np.zeros(len(enc.ids), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < (len(text) if b is None else b))
+    ids = np.array(enc.ids + [eos_id], dtype=np.int64)
+    return ids, np.append(mask, fmt == "prompt").astype(np.uint8)

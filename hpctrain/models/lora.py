@@ -1,0 +1,90 @@
+"""LoRA (Hu et al. 2021, arXiv:2106.09685): a frozen linear layer W plus a trained low-rank update,
+y = W x + (alpha / rank) B A dropout(x), A of rank x in_features, B of out_features x rank, B starting at
+zero so the model starts as the base model. PEFT's LoraModel is the reference (its initialization:
+A Kaiming-uniform with a = sqrt(5), B zeros; the same parameter names, lora_A and lora_B, once
+hpctrain's layer names are mapped to Hugging Face's, hpctrain.core.hf_format).
+
+`apply_lora` turns the targeted nn.Linear layers of a (meta-device) model into LoRALinear in place and
+freezes every other parameter. It runs after tensor parallel: a layer whose weight is split by output
+features (colwise) gets a replicated A and B split the same way, one split by input features (rowwise)
+A split by input features and a replicated B, so the update needs no communication of its own (its
+partial sums join the base layer's reduce-scatter). The layer keeps its name and its weight's name:
+checkpoints, Hugging Face import and export address the base weight as before.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# hpctrain's linear layers of a block (hpctrain.core.hf_format maps them to Hugging Face's names)
+TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear with a low-rank update; made by `apply_lora` from an existing layer."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    scaling: float
+    lora_dropout: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+
+def _new(like: torch.Tensor, shape: tuple, placement) -> nn.Parameter:
+    """A parameter of `shape` on `like`'s device, a DTensor on its mesh with `placement` when `like` is one."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    t = torch.empty(shape, device=like.device, dtype=like.dtype)
+    if isinstance(like, DTensor):
+        t = distribute_tensor(t, like.device_mesh, [placement], src_data_rank=None)
+    return nn.Parameter(t)
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, targets=TARGETS) -> list[str]:
+    """Add adapters to the nn.Linear layers named in `targets` (the last part of their name) and freeze
+    everything else. Returns the names of the adapted layers."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    done = []
+    for name, m in model.named_modules():
+        if not (type(m) is nn.Linear and name.rsplit(".", 1)[-1] in targets):
+            continue
+        w = m.weight
+        placement = w.placements[0] if isinstance(w, DTensor) else None
+        rowwise = isinstance(placement, Shard) and placement.dim == 1
+        m.__class__ = LoRALinear  # keeps the layer's hooks (tensor parallel's) and its weight's name
+        m.lora_A = _new(w, (rank, m.in_features), Shard(1) if rowwise else Replicate())
+        m.lora_B = _new(w, (m.out_features, rank), Replicate() if rowwise or placement is None else Shard(0))
+        m.scaling = alpha / rank
+        m.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        done.append(name)
+    return done
+
+
+def init_lora_(name: str, t: torch.Tensor, generator=None) -> bool:
+    """PEFT's initialization of `name` when it is an adapter parameter; False otherwise."""
+    if name.endswith("lora_A"):
+        nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+        return True
+    if name.endswith("lora_B"):
+        nn.init.zeros_(t)
+        return True
+    return False
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(("lora_A", "lora_B"))
+
+
+@torch.no_grad()
+def merged_weight(m: LoRALinear) -> torch.Tensor:
+    """W + (alpha / rank) B A: the plain layer the adapted one computes (without dropout)."""
+    return m.weight + (m.lora_B.float() @ m.lora_A.float()).to(m.weight.dtype) * m.scaling
