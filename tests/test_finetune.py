@@ -1,0 +1,301 @@
+"""Fine-tuning data and adapters: chat rendering and loss masks against transformers, prepare's
+layout of records and its refusals, and a LoRA run's adapters through PEFT's format (export, load in
+peft, merged export in transformers, import to continue). The per-step losses of SFT and LoRA under
+every layout: tests/test_layouts.py."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.data import chat
+from hpctrain.data.prepare import prepare_records
+
+# A Llama-3.1-style template: whitespace control (trim_blocks/lstrip_blocks matter), a system turn
+# always present, tools listed through tojson, tool results under the "ipython" header.
+LLAMA3 = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "You are a helpful assistant." %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Tools: " + tools|tojson + "\\n\\n" }}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if message.role == 'tool' %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" + message['content'] | trim + "<|eot_id|>" }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+# Zephyr's template: block tags on lines of their own, indented; only trim_blocks and lstrip_blocks keep
+# their newlines and indentation out of the text.
+ZEPHYR = """{% for message in messages %}
+    {% if message['role'] == 'user' %}
+{{ '<|user|>\n' + message['content'] + eos_token }}
+    {% elif message['role'] == 'system' %}
+{{ '<|system|>\n' + message['content'] + eos_token }}
+    {% elif message['role'] == 'assistant' %}
+{{ '<|assistant|>\n'  + message['content'] + eos_token }}
+    {% else %}
+{{ '<|' + message['role'] + '|>\n'  + message['content'] + eos_token }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+{{ '<|assistant|>' }}
+{% endif %}
+"""
+# ChatML with transformers' {% generation %} markers around what the assistant writes: transformers'
+# return_assistant_tokens_mask is then an independent account of the assistant's tokens.
+CHATML_MARKED = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+                 "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\\n' }}"
+                 "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "  Answer briefly.  "}, {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "4."}],
+    [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Let me check."},
+     {"role": "tool", "content": "{\"temp\": 21}"}, {"role": "assistant", "content": "It is 21 degrees."},
+     {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome!"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+def tokenizer_dir(example_corpus: Path, tmp: Path, template: str, name: str) -> Path:
+    """The example tokenizer with another chat template (and Llama 3's header tokens added)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    d = tmp / name
+    d.mkdir()
+    tok = Tokenizer.from_file(str(example_corpus / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|begin_of_text|>")])
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((example_corpus / "tokenizer_config.json").read_text())
+    cfg.update(chat_template=template, bos_token="<|begin_of_text|>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("template", ["example", "llama3", "zephyr"])
+def test_rendered_ids_equal_transformers_apply_chat_template(example_corpus, tmp_path, template):
+    """Mutants: a Jinja environment without trim_blocks/lstrip_blocks (Llama 3's template then renders
+    other whitespace), tokenizing with added special tokens, tools not passed to the template."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    d = example_corpus if template == "example" else \
+        tokenizer_dir(example_corpus, tmp_path, {"llama3": LLAMA3, "zephyr": ZEPHYR}[template], template)
+    theirs = AutoTokenizer.from_pretrained(str(d))
+    tok, ours = Tokenizer.from_file(str(d / "tokenizer.json")), chat.ChatTemplate.of(d / "tokenizer.json")
+    for messages in CONVERSATIONS:
+        for tools in (None, TOOLS):
+            want = theirs.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+            ids, mask = chat.encode({"messages": messages, "tools": tools}, "chat", tok, ours, eos_id=0)
+            assert ids[:-1].tolist() == list(want)
+            assert ids[-1] == 0 and mask[-1] == 0  # the document separator, not trained
+            assert mask.sum() > 0
+
+
+def test_loss_mask_is_the_assistants_tokens(example_corpus, tmp_path):
+    """transformers' return_assistant_tokens_mask on the same conversations (a template marking the
+    assistant's text with {% generation %}). Mutants: spans from the full render instead of the
+    generation prompt (the role header trained), the last assistant turn only, a mask off by one token."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    d = tokenizer_dir(example_corpus, tmp_path, CHATML_MARKED, "marked")
+    theirs = AutoTokenizer.from_pretrained(str(d))
+    tok, ours = Tokenizer.from_file(str(d / "tokenizer.json")), chat.ChatTemplate.of(d / "tokenizer.json")
+    for messages in CONVERSATIONS:
+        want = theirs.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)["assistant_masks"]
+        ids, mask = chat.encode({"messages": messages}, "chat", tok, ours, eos_id=0)
+        assert mask[:-1].tolist() == list(want)
+        text = theirs.decode([i for i, m in zip(ids, mask) if m])
+        assert text == "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+
+
+def test_prompt_format_trains_the_completion_and_the_end(example_corpus):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(example_corpus / "tokenizer.json"))
+    ids, mask = chat.encode({"prompt": "Question: what is os.path? Answer:", "completion": " Path helpers."},
+                            "prompt", tok, None, eos_id=7)
+    assert ids[-1] == 7 and mask[-1] == 1  # the model learns to stop
+    assert tok.decode([int(i) for i, m in zip(ids[:-1], mask[:-1]) if m]) == " Path helpers."
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def windows(out: Path, seq: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    meta = json.loads((out / "meta.json").read_text())
+    shard = meta["splits"]["train"]["shards"][0]
+    ids = np.fromfile(out / shard["file"], dtype=meta["dtype"])
+    mask = np.fromfile(out / shard["mask"], dtype=np.uint8)
+    return ids, mask, meta
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_records_never_straddle_a_window(example_corpus, tmp_path, pack):
+    """Every record starts a window or follows another inside it; a longer one is cut to a window ending
+    in the end-of-document id. Mutants: a record split across windows, padding trained, --no-pack packing."""
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "q" * (3 * k)},
+                                                          {"role": "assistant", "content": "a " * (5 * k)}]}
+                                             for k in range(1, 30)])
+    seq, out = 48, tmp_path / "out"
+    meta = prepare_records(src, out, example_corpus / "tokenizer.json", "chat", seq_len=seq, val_fraction=0, pack=pack)
+    ids, mask, meta = windows(out, seq)
+    eos = meta["eos_id"]
+    assert len(ids) % seq == 1 and meta["window"] == seq and meta["warnings"]  # some were truncated
+    starts = [0] + [i + 1 for i in np.flatnonzero(ids == eos)]
+    im_start = 1  # the example tokenizer's <|im_start|>
+    for w in range(len(ids) // seq):
+        window, wmask = ids[w * seq:(w + 1) * seq], mask[w * seq:(w + 1) * seq]
+        assert window[0] == im_start, w  # a record (never padding, never a record's middle) begins each window
+        assert window[-1] == eos, w  # and the window ends with a record's end or padding
+        assert not wmask[window == eos].any()  # separators and padding are never trained
+        if not pack:
+            assert (window[:-1] == eos).sum() == 0 or (window[np.argmax(window == eos):] == eos).all()
+    assert all(s % seq == 0 or ids[s - 1] == eos for s in starts)
+
+
+def test_prepare_refuses_what_it_cannot_train_on(example_corpus, tmp_path):
+    tok = example_corpus / "tokenizer.json"
+    long = write_jsonl(tmp_path / "long.jsonl", [{"messages": [{"role": "user", "content": "x " * 200},
+                                                               {"role": "assistant", "content": "ok"}]}])
+    with pytest.raises(Exception, match=r"longer than --seq-len 32\. Fix: --too-long truncate"):
+        prepare_records(long, tmp_path / "a", tok, "chat", seq_len=32, too_long="refuse")
+    silent = write_jsonl(tmp_path / "silent.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(chat.ChatError, match="no assistant turn: nothing to train on"):
+        prepare_records(silent, tmp_path / "b", tok, "chat")
+    with pytest.raises(chat.ChatError, match="string fields \"prompt\" and \"completion\""):
+        prepare_records(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}]), tmp_path / "c", tok, "prompt")
+    # the template's end of turn as the document separator would cut every conversation at each turn
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(Exception, match=r"occurs inside the rendered conversation.*Fix: --eos"):
+        prepare_records(ok, tmp_path / "d", tok, "chat", eos="<|im_end|>")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_bytes(tok.read_bytes())
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with pytest.raises(chat.ChatError, match="has no chat_template: a base model's tokenizer"):
+        prepare_records(ok, tmp_path / "e", base / "tokenizer.json", "chat")
+    assert not any((tmp_path / n).exists() for n in "abcde")  # nothing half-written
+
+
+def test_prepare_cli_prints_what_to_train_with(example_corpus, tmp_path, capsys):
+    from hpctrain.data.prepare import main
+
+    assert main([str(example_corpus / "chat.jsonl"), str(tmp_path / "s"), "--tokenizer",
+                 str(example_corpus / "tokenizer.json"), "--format", "chat", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "trained)" in out and "data.seq_len=64 data.document_mask=true" in out
+    assert main([str(example_corpus / "chat.jsonl"), str(tmp_path / "t"), "--format", "chat"]) == 2
+    assert "--format chat needs --tokenizer" in capsys.readouterr().err
+
+
+# --- adapters through PEFT's format ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(world_of_one, tmp_path_factory):
+    """A one-rank LoRA run from a Hugging Face base (hpctrain's initial weights written by
+    tests/reference.py), trained 3 steps at a high learning rate so that B moves off zero, saved."""
+    from hpctrain.core.compose import compose
+    from hpctrain.train.loop import Trainer
+
+    from reference import hf_dir
+
+    d = tmp_path_factory.mktemp("lora")
+    common = ["+experiment=tiny", "train.global_batch=4", "train.micro_batch=2", "optim.lr=0.01", "optim.warmup_steps=0",
+              "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,v_proj,o_proj,down_proj]"]
+    base = hf_dir(compose(common), d / "base")
+    cfg = compose([*common, f"model.init_from={base}", "train.steps=3", "checkpoint.every=3", f"run.dir={d / 'run'}"])
+    t = Trainer(cfg, str(d / "run"), torch.device("cpu"))
+    t.fit()
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = t.parts[0](x)
+    step = d / "run" / "checkpoints" / "step-00000003"
+    return {"dir": d, "base": base, "step": step, "x": x, "logits": logits, "common": common, "trainer": t}
+
+
+def test_exported_adapter_loads_in_peft_with_the_same_logits(lora_run, tmp_path):
+    """Mutants: A and B swapped or transposed in the export, alpha / rank not written as PEFT reads it,
+    a layer's Hugging Face name wrong (PEFT would leave that adapter at its initial value)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import run_main
+
+    out = tmp_path / "adapter"
+    done = run_main("hpctrain.checkpoint", "export", str(lora_run["step"]), str(out), "--format", "peft")
+    assert done.returncode == 0, done.stderr
+    assert "PEFT LoRA adapter (rank 4, alpha 8" in done.stdout
+    base = AutoModelForCausalLM.from_pretrained(str(lora_run["base"]), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(out))
+    b = dict(model.named_parameters())
+    assert any(n.endswith("lora_B.default.weight") and p.abs().max() > 0 for n, p in b.items())  # trained
+    with torch.no_grad():
+        theirs = model(input_ids=lora_run["x"]).logits
+    torch.testing.assert_close(theirs, lora_run["logits"], rtol=1e-4, atol=1e-4)
+
+    merged = tmp_path / "merged"
+    done = run_main("hpctrain.checkpoint", "export", str(lora_run["step"]), str(merged), "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    plain = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=lora_run["x"]).logits, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_peft_adapter_is_imported_to_continue(lora_run, tmp_path):
+    """model.lora.init_from: a new run starts from the exported adapter (the same logits as the run that
+    wrote it); a mismatched rank is refused with the fix. Mutant: the adapters left at their init."""
+    from hpctrain.core.compose import compose
+    from hpctrain.checkpoint.peft_format import AdapterError, export_peft
+    from hpctrain.train.loop import Trainer
+
+    adapter = tmp_path / "adapter"
+    export_peft(lora_run["step"], adapter)
+    cfg = compose([*lora_run["common"], f"model.init_from={lora_run['base']}", f"model.lora.init_from={adapter}",
+                   "train.steps=1", f"run.dir={tmp_path / 'run'}"])
+    t = Trainer(cfg, str(tmp_path / "run"), torch.device("cpu"))
+    t.resume(lambda *a: None)
+    with torch.no_grad():
+        torch.testing.assert_close(t.parts[0](lora_run["x"]), lora_run["logits"], rtol=1e-5, atol=1e-5)
+    bad = compose([*lora_run["common"], "model.lora.rank=8", f"model.lora.init_from={adapter}",
+                   f"run.dir={tmp_path / 'run2'}"])
+    with pytest.raises(AdapterError, match="has rank 4 and alpha 8.0, the run asks for model.lora.rank=8"):
+        Trainer(bad, str(tmp_path / "run2"), torch.device("cpu")).resume(lambda *a: None)
+
+
+def test_frozen_weights_have_no_gradients_or_optimizer_state(lora_run):
+    """Mutant: apply_lora not freezing the base (every weight in the optimizer, moments for all)."""
+    t = lora_run["trainer"]
+    named = dict(t.parts[0].named_parameters())
+    trained = {n for n, p in named.items() if p.requires_grad}
+    assert trained and all(n.endswith(("lora_A", "lora_B")) for n in trained)
+    assert {"layers.0.attention.wq.lora_A", "layers.1.feed_forward.w2.lora_B"} <= trained
+    assert "layers.0.attention.wk.lora_A" not in named  # not a target
+    assert all(p.grad is None for n, p in named.items() if n not in trained)
+    state = t.optimizer.state
+    assert len(state) == len(trained) and all(p.requires_grad for p in state)
