@@ -1,7 +1,7 @@
 """Tokens/s and peak memory per rank of each parallel layout, measured, next to the planner's
 predicted bytes per rank for the same config.
 
-    python benchmarks/layouts.py [--models small tiny] [--layouts ddp zero1 ... | moe_zero3 moe_ep2 ...] [--steps 5] [--skip 2]
+    python benchmarks/layouts.py [--models small tiny] [--layouts ddp zero1 ... | moe_zero3 moe_ep2 ... | lora_zero3 ...] [--steps 5] [--skip 2]
                                  [--mem-steps 4] [--reps 1] [--set KEY=VALUE ...] [--out outputs/bench/layouts]
 
 Both models by default, each with every layout (conf/model/small.yaml, ~34M parameters, and
@@ -109,6 +109,14 @@ LONG_LAYOUTS = {f"cp{c}_{k}k{'_ring' if ring else ''}": (c, [*LONG, f"data.seq_l
                                                            *(["parallel.cp_attention=ring"] if ring else [])])
                 for k in (8, 16, 32, 64) for c in (1, 2, 4) for ring in (False, True) if not (ring and c == 1)}
 LAYOUTS.update(LONG_LAYOUTS)
+# LoRA (measured when named): rank-16 adapters on every linear of a block, the base frozen, under each engine.
+LORA = ["model.lora.rank=16", "model.lora.alpha=32"]
+LORA_LAYOUTS = {"lora_ddp": (2, ["parallel=ddp", *LORA]), "lora_zero1": (2, ["parallel=ddp", "parallel.zero=1", *LORA]),
+                "lora_zero2": (2, ["parallel=fsdp", "parallel.zero=2", *LORA]),
+                "lora_zero3": (2, ["parallel=fsdp", "parallel.zero=3", *LORA]),
+                "lora_tp2": (2, ["parallel=ddp", "parallel.tp=2", *LORA]),
+                "lora_pp2": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", *LORA])}
+LAYOUTS.update(LORA_LAYOUTS)
 DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimizer + DDP), dp 2",
             "zero2": "ZeRO-2 (FSDP2, no reshard after fwd), dp 2", "zero3": "ZeRO-3 (FSDP2), dp 2",
             "zero2_step": "ZeRO-2, gradients reduced once per step, dp 2",
@@ -118,7 +126,9 @@ DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimiz
             "zero1_pp2_dp2": "ZeRO-1 (sharded by owner) x PP 2, dp 2, 4 ranks",
             "zero3_pp2_dp2": "ZeRO-3 (FSDP2) x PP 2, dp 2, 4 ranks", "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5",
             "moe_zero3": "MoE 8 experts, ZeRO-3 (FSDP2), dp 2", "moe_ep2": "MoE, EP 2 (ZeRO-3), dp 2",
-            "moe_ep2_dp2": "MoE, EP 2 x expert FSDP 2, dp 4", "moe_ep4": "MoE, EP 4, dp 4"}
+            "moe_ep2_dp2": "MoE, EP 2 x expert FSDP 2, dp 4", "moe_ep4": "MoE, EP 4, dp 4",
+            "lora_ddp": "LoRA r16, DDP, dp 2", "lora_zero1": "LoRA r16, ZeRO-1, dp 2", "lora_zero2": "LoRA r16, ZeRO-2, dp 2",
+            "lora_zero3": "LoRA r16, ZeRO-3 (FSDP2), dp 2", "lora_tp2": "LoRA r16, TP 2", "lora_pp2": "LoRA r16, PP 2, 1f1b"}
 
 
 SET: list[str] = []  # --set: config overrides after every layout's own (the runs' and the planner's)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from hpctrain.data import chat
 from hpctrain.data.prepare import prepare_records
@@ -299,3 +300,78 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(lora_run):
     assert all(p.grad is None for n, p in named.items() if n not in trained)
     state = t.optimizer.state
     assert len(state) == len(trained) and all(p.requires_grad for p in state)
+
+
+def test_bad_fine_tuning_keys_are_refused_on_the_login_node(chat_shards, tmp_path):
+    """Each refusal names the key and the fix. Mutants: any of the checks in _lora / _chat_windows removed."""
+    from hpctrain.checks.config_checks import problems
+    from hpctrain.core.compose import compose
+
+    def said(*overrides: str) -> str:
+        return "\n".join(problems(compose(["+experiment=tiny", *overrides])))
+
+    assert "qkv is not a linear layer of a block. Fix: choose from wq" in said("model.lora.rank=4",
+                                                                               "model.lora.targets=[wq,qkv]")
+    assert "model.lora.alpha=0.0 must be positive" in said("model.lora.rank=4", "model.lora.alpha=0")
+    assert "but data.seq_len=32: records would be cut across samples. Fix: data.seq_len=64" in said(
+        "data.source=shards", f"data.path={chat_shards}", "model.vocab_size=512", "data.seq_len=32")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert "has rank 4 and alpha 8, the run asks for model.lora.rank=8" in said(
+        "model.lora.rank=8", "model.lora.alpha=8", f"model.lora.init_from={adapter}")
+    assert "but model.lora.rank=0. Fix: model.lora.rank=<the adapter's r>" in said(f"model.lora.init_from={adapter}")
+    assert said("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+                "model.lora.targets=[q_proj,v_proj]") == ""
+
+
+# --- the planner under LoRA ----------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(dim=st.sampled_from([32, 64]), heads=st.sampled_from([2, 4]), kv=st.sampled_from([1, 2]),
+       ffn=st.integers(8, 96), layers=st.integers(1, 3), rank=st.integers(1, 8), experts=st.sampled_from([0, 4]),
+       shared=st.integers(0, 1), targets=st.sets(st.sampled_from(["wq", "wk", "wv", "wo", "w1", "w2", "w3",
+                                                                "q_proj", "down_proj"]), min_size=1))
+def test_planned_adapter_count_is_the_models(dim, heads, kv, ffn, layers, rank, experts, shared, targets):
+    """lora_params (the planner's arithmetic) against the parameters apply_lora adds to the real module
+    tree, dense and MoE (shared experts adapted, routed ones not). Mutants: the MoE blocks' SwiGLU counted,
+    the shared experts forgotten, Hugging Face names not mapped, in + out taken as in x out."""
+    from hpctrain.core.compose import compose
+    from hpctrain.core.flops import lora_params
+    from hpctrain.core.spec import lora_of
+    from hpctrain.models.llama import build_meta
+    from hpctrain.models.lora import apply_lora
+
+    moe = [f"model.moe.experts={experts}", "model.moe.top_k=2", f"model.moe.shared_experts={shared}",
+           "model.moe.ffn_dim=24"] if experts else []
+    cfg = compose(["+experiment=tiny", f"model.dim={dim}", f"model.n_heads={heads}", f"model.n_kv_heads={kv}",
+                   f"model.ffn_dim={ffn}", f"model.n_layers={layers}", f"model.lora.rank={rank}",
+                   f"model.lora.targets=[{','.join(sorted(targets))}]", *moe])
+    model = build_meta(cfg.model, 16)
+    lo = lora_of(cfg.model)
+    apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets)
+    real = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B")))
+    assert lora_params(cfg.model) == real
+
+
+def test_70b_lora_fits_8_h100_because_frozen_weights_hold_no_state():
+    """The preset's plan: frozen weights priced as bf16 parameters alone. Mutants: frozen weights given
+    gradients and Adam state (16 bytes per parameter: ~140 GB per GPU), the base kept in fp32, the
+    adapters' gradients priced for the whole model."""
+    from hpctrain.core.compose import compose
+    from hpctrain.plan.memory import GiB, job_of
+    from hpctrain.plan.verdict import plan
+
+    cfg = compose(["+experiment=llama3_70b_lora"])
+    p = plan(job_of(cfg))
+    dev = p.memory.device
+    assert p.fits, p.problems
+    # 70.6e9 frozen bf16 parameters over FSDP 4 x TP 2 = 8 ranks
+    assert dev["params"] / GiB == pytest.approx(70.6e9 * 2 / 8 / GiB, rel=0.02)
+    assert dev.get("moments", 0) < 0.5 * GiB and dev.get("grads", 0) + dev.get("unsharded_grads", 0) < 0.5 * GiB
+    full = plan(job_of(compose(["+experiment=llama3_70b_lora", "model.lora.rank=0"])))
+    assert not full.fits and full.memory.device_total > 2 * p.memory.device_total
+    # backward without weight gradients: a LoRA step is faster than full training's on the same layout
+    assert p.time.step_time_s < 0.85 * full.time.step_time_s

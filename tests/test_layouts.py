@@ -73,8 +73,10 @@ LAYOUTS = {
         DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full",
         # LoRA: frozen base weights beside trained adapters in FSDP2's groups, DDP, TP (A replicated and B
         # split for a colwise layer, A split and B replicated for a rowwise one), PP; Hugging Face's names
-        LORA, f"{LORA} parallel.tp=2 parallel.dp_shard=1", f"{LORA} parallel.zero=0",
+        LORA, f"{LORA} parallel.tp=2 parallel.dp_shard=1", f"{LORA} parallel.tp=2 parallel.dp_shard=1 parallel.zero=0",
+        f"{LORA} parallel.zero=0",
         f"{LORA} parallel.pp=2 parallel.dp_shard=1", f"{LORA} model.lora.targets=[q_proj,v_proj,down_proj] parallel.zero=1",
+        f"{LORA} offload=cpu",
         # chat data: the trained tokens counted over the whole global batch, whatever each rank holds
         SFT, f"{SFT} parallel.tp=2 parallel.dp_shard=1", f"{SFT} parallel.pp=2 parallel.dp_shard=1",
         f"{SFT} parallel.cp=2", f"{SFT} {LORA} parallel.zero=3"],

@@ -1,5 +1,7 @@
-"""The README's "Train on your own text" commands, as written there, with fewer steps:
-prepare the example corpus, train with validation, export, load in transformers and generate."""
+"""The README's "Train on your own text" and "Fine-tune" commands, as written there, with fewer steps:
+prepare the example corpus, train with validation, export, load in transformers and generate; then
+prepare its conversations, fine-tune LoRA adapters on that model, export them in PEFT's format and
+generate through transformers + PEFT."""
 from __future__ import annotations
 
 import json
@@ -22,12 +24,15 @@ def readme_block(section: str) -> str:
 
 
 def test_real_text_to_transformers_end_to_end(tmp_path):
-    script = readme_block("Train on your own text")
+    script = readme_block("Train on your own text") + readme_block("Fine-tune")
     # A quarter of the standard library's text is enough to see the validation loss fall in 40 steps.
     for old, new in [("hpctrain.data.example data/example", "hpctrain.data.example data/example --mb 0.5"),
                      ("data/example", str(tmp_path / "example")), ("outputs/text", str(tmp_path / "text")),
                      ("train.steps=300", "train.steps=40"), ("checkpoint.every=100", "checkpoint.every=40"),
-                     ("eval.every=50", "eval.every=10"), ("step-00000300", "step-00000040")]:
+                     ("eval.every=50", "eval.every=10"), ("step-00000300", "step-00000040"),
+                     ("outputs/sft", str(tmp_path / "sft")),
+                     (f"run.dir={tmp_path / 'sft'}", f"run.dir={tmp_path / 'sft'} train.steps=30 eval.every=10 "
+                                                     "checkpoint.every=30"), ("step-00000100", "step-00000030")]:
         assert old in script, old  # the README still says what this test runs
         script = script.replace(old, new)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, capture_output=True, text=True,
@@ -41,6 +46,14 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
     assert len(val) == 4 and val[-1] < val[0], val  # the validation loss falls
     generated = proc.stdout.strip().splitlines()
     assert any(line.startswith("Return the number of") for line in generated), proc.stdout[-2000:]
+    # Fine-tuning: the loss on the assistant's tokens falls, the adapter is PEFT's, the chat generates.
+    sft = [r for r in map(json.loads, (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines())]
+    val = [r["val_loss"] for r in sft if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0], val
+    assert sorted(p.name for p in (tmp_path / "sft" / "adapter").iterdir()) == [
+        ".hpctrain-output.json", "adapter_config.json", "adapter_model.safetensors"]
+    assert "<|im_start|>user\nWhat is os.path.join for?<|im_end|>\n<|im_start|>assistant\n" in proc.stdout, \
+        proc.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "text" / "hf").iterdir()) == [
         ".hpctrain-output.json",  # the export's marker: a second export may replace the directory
         "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]

@@ -9,8 +9,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from hpctrain.core import hf_format as hf
 from hpctrain.core import outdir
 
@@ -74,10 +72,9 @@ def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict
     return config
 
 
-def read_adapter(path: str | os.PathLike, lora) -> dict:
-    """{PEFT name: tensor} of an adapter directory, checked against model.lora (rank, alpha, targets)."""
-    from safetensors.torch import load_file
-
+def read_adapter_config(path: str | os.PathLike, lora) -> dict:
+    """adapter_config.json of an adapter directory, checked against model.lora (rank, alpha); cheap
+    enough for the login node."""
     d = Path(path)
     try:
         cfg = json.loads((d / CONFIG).read_text())
@@ -91,6 +88,17 @@ def read_adapter(path: str | os.PathLike, lora) -> dict:
                            f"model.lora.rank={lora.rank} model.lora.alpha={lora.alpha}. Fix: set them to the adapter's")
     if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
         raise AdapterError(f"{d / CONFIG}: rsLoRA, DoRA and fan_in_fan_out adapters are not supported")
+    if not (d / WEIGHTS).is_file():
+        raise AdapterError(f"{d / WEIGHTS} is missing. Fix: export or download the adapter again")
+    return cfg
+
+
+def read_adapter(path: str | os.PathLike, lora) -> dict:
+    """{PEFT name: tensor} of an adapter directory, checked against model.lora (rank, alpha)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    read_adapter_config(d, lora)
     try:
         return load_file(str(d / WEIGHTS))
     except (OSError, Exception) as e:  # safetensors raises its own error type on a damaged file
@@ -103,14 +111,20 @@ def _plain(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-@torch.no_grad()
 def load_peft(parts: list, path: str | os.PathLike, model_cfg) -> int:
     """Fill the adapters of this rank's model parts from a PEFT adapter directory; returns how many."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    import torch
 
     arch = hf.architecture(model_cfg)
     tensors = read_adapter(path, model_cfg.lora)
-    n = 0
+    with torch.no_grad():
+        _fill(parts, tensors, arch, path)
+    return sum(1 for part in parts for name, _ in part.named_parameters() if _plain(name).endswith(("lora_A", "lora_B")))
+
+
+def _fill(parts: list, tensors: dict, arch: str, path) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for part in parts:
         for name, p in part.named_parameters():
             plain = _plain(name)
@@ -128,5 +142,3 @@ def load_peft(parts: list, path: str | os.PathLike, model_cfg) -> int:
                                                      src_data_rank=None).to_local())
             else:
                 p.copy_(full)
-            n += 1
-    return n

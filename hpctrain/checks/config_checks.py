@@ -241,6 +241,53 @@ def _documents(cfg: Config):
 
 
 @_check
+def _chat_windows(cfg: Config):
+    """Chat shards laid out in windows (prepare --seq-len) are read in windows of the same length."""
+    from hpctrain.data.shards import read_meta
+
+    d = cfg.data
+    if d.source != "shards":
+        return
+    for path in [s.path for s in d.sources] or [d.path]:
+        meta = (read_meta(path) if path and path != "???" else None) or {}
+        window = meta.get("window") or 0
+        if window and window != d.seq_len:
+            yield (f"{path} holds {meta.get('records', 'chat')} records in windows of {window} tokens (prepare "
+                   f"--seq-len {window}), but data.seq_len={d.seq_len}: records would be cut across samples. "
+                   f"Fix: data.seq_len={window}, or prepare again with --seq-len {d.seq_len}")
+
+
+@_check
+def _lora(cfg: Config):
+    """model.lora.*: a rank, scale and dropout in range, layers that exist, an adapter that fits."""
+    from hpctrain.core.spec import HF_LINEAR, LORA_TARGETS as TARGETS
+
+    lo = cfg.model.lora
+    if lo.rank < 0:
+        yield f"model.lora.rank={lo.rank} must be 0 (no adapters) or more"
+    if lo.rank <= 0:
+        if lo.init_from:
+            yield "model.lora.init_from names an adapter, but model.lora.rank=0. Fix: model.lora.rank=<the adapter's r>"
+        return
+    if lo.alpha <= 0:
+        yield f"model.lora.alpha={lo.alpha} must be positive (the update is scaled by alpha / rank)"
+    if not 0 <= lo.dropout < 1:
+        yield f"model.lora.dropout={lo.dropout} must be in [0, 1)"
+    unknown = [t for t in lo.targets if t not in TARGETS and t not in HF_LINEAR]
+    if unknown or not lo.targets:
+        yield (f"model.lora.targets={list(lo.targets)}: {', '.join(unknown) or 'none given'} "
+               f"{'is not a' if len(unknown) == 1 else 'are not'} linear layer{'s' if len(unknown) != 1 else ''} "
+               f"of a block. Fix: choose from {', '.join(TARGETS)} (or Hugging Face's {', '.join(HF_LINEAR)})")
+    if lo.init_from:
+        from hpctrain.checkpoint.peft_format import AdapterError, read_adapter_config
+
+        try:
+            read_adapter_config(lo.init_from, lo)
+        except AdapterError as e:
+            yield str(e)
+
+
+@_check
 def _moe(cfg: Config):
     """model.moe.*: sizes and coefficients in range, and at least one block that routes."""
     e, m = cfg.model.moe, cfg.model

@@ -36,14 +36,49 @@ def param_counts(m: ModelConfig) -> dict:
             "dense_block": dense_block, "moe_block": moe_block - e.experts * expert}
 
 
+def lora_linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int, int, bool]]:
+    """(in_features, out_features, layers, rowwise) of each adapted linear kind (model.lora.targets): the
+    attention projections of every block, the SwiGLU of dense blocks and of MoE blocks' shared experts
+    (routed experts get no adapters). `tp` splits them as tensor parallel does."""
+    lo = getattr(m, "lora", None)
+    if lo is None or lo.rank <= 0:
+        return []
+    from hpctrain.core.spec import HF_LINEAR
+
+    hd, n_moe = _head_dim(m), moe_layer_count(m)
+    shared = m.moe.shared_experts * expert_ffn(m) if m.moe.experts else 0
+    ffn_layers = [(m.ffn_dim, m.n_layers - n_moe)] + ([(shared, n_moe)] if shared and n_moe else [])
+    shapes = {"wq": [(m.dim, m.n_heads * hd, m.n_layers)], "wk": [(m.dim, m.n_kv_heads * hd, m.n_layers)],
+              "wv": [(m.dim, m.n_kv_heads * hd, m.n_layers)], "wo": [(m.n_heads * hd, m.dim, m.n_layers)],
+              "w1": [(m.dim, f, n) for f, n in ffn_layers], "w3": [(m.dim, f, n) for f, n in ffn_layers],
+              "w2": [(f, m.dim, n) for f, n in ffn_layers]}
+    out = []
+    for t in dict.fromkeys(HF_LINEAR.get(t, t) for t in lo.targets):
+        for i, o, n in shapes.get(t, []):
+            rowwise = t in ("wo", "w2")
+            out.append((i / tp if rowwise else i, o if rowwise else o / tp, n, rowwise))
+    return out
+
+
+def lora_params(m: ModelConfig, tp: int = 1) -> float:
+    """Adapter parameters (rank x (in + out) per adapted linear), on one TP rank: a colwise layer's A
+    is replicated and its B split, a rowwise layer's A split and its B replicated (hpctrain.models.lora)."""
+    r = m.lora.rank if getattr(m, "lora", None) is not None else 0
+    return sum(r * (i + o) * n for i, o, n, _ in lora_linears(m, tp))
+
+
 def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token: 6 x (non-embedding parameters) for the matmuls of forward
     and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores (PaLM's rule,
-    as torchtitan reports MFU). The embedding lookup is not a matmul; the output projection is."""
+    as torchtitan reports MFU). The embedding lookup is not a matmul; the output projection is.
+    With LoRA (model.lora) the frozen weights need no weight gradient: 4 x theirs (forward and the
+    input gradient), 6 x the adapters'."""
     c = param_counts(m)
     # A token's matmuls use the active parameters only: MoE FLOPs come from the routed top_k experts.
     dense = c["active"] - c["embedding"] + (c["embedding"] if m.tie_embeddings else 0)
-    return 6.0 * dense + 12.0 * m.n_layers * m.n_heads * _head_dim(m) * seq_len
+    adapters = lora_params(m)
+    per_param = 4.0 if adapters else 6.0
+    return per_param * dense + 6.0 * adapters + 12.0 * m.n_layers * m.n_heads * _head_dim(m) * seq_len
 
 
 def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# hpctrain's linear layers of a block (hpctrain.core.hf_format maps them to Hugging Face's names)
-TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+from hpctrain.core.spec import LORA_TARGETS as TARGETS
 
 
 class LoRALinear(nn.Linear):
@@ -67,6 +66,18 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
         m.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         done.append(name)
     return done
+
+
+def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep the frozen weights in `dtype` (bf16 when the run computes in it): no optimizer updates them,
+    so they need no fp32 copy. Returns how many parameters were cast."""
+    n = 0
+    for m in model.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if not p.requires_grad and p.dtype != dtype:
+                m.register_parameter(name, nn.Parameter(p.to(dtype), requires_grad=False))
+                n += 1
+    return n
 
 
 def init_lora_(name: str, t: torch.Tensor, generator=None) -> bool:

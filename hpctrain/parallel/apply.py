@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from hpctrain.models.lora import apply_lora
+from hpctrain.models.lora import apply_lora, store_frozen_as
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
@@ -62,6 +62,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_cp(part, meshes.cp, spec.cp_attention)
         if spec.lora:  # after TP: the adapters are split as their layer is
             apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
+            if spec.dtypes.compute != "float32":  # frozen: no fp32 copy needed, computed in bf16 anyway
+                store_frozen_as(part, getattr(torch, spec.dtypes.compute))
         if spec.ac != "none":
             apply_ac(part, spec.ac, spec.ac_every)
         if spec.sp_regather:

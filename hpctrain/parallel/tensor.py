@@ -81,6 +81,6 @@ def keep_grads_like_params(model: nn.Module) -> nn.Module:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
     for p in model.parameters():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and p.requires_grad:  # (LoRA's frozen weights get no gradient)
             p.register_post_accumulate_grad_hook(relayout)
     return model

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field, fields, replace
 
-from hpctrain.core.flops import param_counts
+from hpctrain.core.flops import lora_params, param_counts
 from hpctrain.core.shape import head_dim
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
@@ -179,6 +179,11 @@ class StageParams:
     total: float
     largest_unit: float  # the biggest FSDP unit (a block, the embedding or the output layer)
     experts: float = 0.0  # of `total`, routed experts (after expert parallel): sharded over expert_zero_group
+    adapters: float = 0.0  # of `total`, LoRA adapters (model.lora): the only parameters trained then
+
+    def trained(self, job: "Job") -> float:
+        """The parameters with gradients and optimizer state: the adapters under LoRA, else all."""
+        return self.adapters if job.spec.lora else self.total
 
 
 def stage_params(job: "Job", stage: int) -> StageParams:
@@ -205,7 +210,10 @@ def stage_params(job: "Job", stage: int) -> StageParams:
         out = c["embedding"] if (m.tie_embeddings and job.knobs.layout.pp > 1) else c["output"]
         units.append(out / tp + m.dim)
         total += out / tp + m.dim
-    return StageParams(stage=stage, layers=layers, total=total, largest_unit=max(units, default=0.0), experts=experts)
+    # LoRA adapters beside the frozen weights (hpctrain.models.lora), in proportion to the stage's blocks
+    adapters = lora_params(m, tp) * layers / m.n_layers if job.spec.lora else 0.0
+    return StageParams(stage=stage, layers=layers, total=total + adapters, largest_unit=max(units, default=0.0),
+                       experts=experts, adapters=adapters)
 
 
 def model_state(params: float, precision: str, zero: int, shard: int, offload: str,
@@ -418,7 +426,7 @@ def transients(job: Job, sp: StageParams) -> dict:
     elif job.knobs.zero >= 3 and job.zero_group > 1:
         # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
         # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
-        out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES)
+        out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES * trained_share(job, sp))
     elif job.knobs.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
         out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
     if job.spec.data_parallel in ("replicate", "replicate_zero1"):
@@ -429,8 +437,8 @@ def transients(job: Job, sp: StageParams) -> dict:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
-        out["ddp_buckets"] = stream_bytes(job) * sp.total  # in the gradients' dtype
-    if job.autocast:
+        out["ddp_buckets"] = stream_bytes(job) * sp.trained(job)  # in the gradients' dtype
+    if job.autocast and not job.spec.lora:  # (LoRA's frozen weights are kept in bf16: nothing to cast)
         # autocast casts each fp32 weight a matmul reads to bf16 once per autocast region (its weight
         # cache) and the matmul saves that copy for backward: every linear weight of the stage
         # (the embedding is a lookup, not cast), alive from the forward to the end of the backward.
@@ -491,7 +499,8 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     keep_grads_like_params lays it out like the parameter afterwards). FSDP2 (ZeRO-2/3, replicate)
     reduces or accumulates a unit's gradient in its own buffers (transients); Megatron accumulates in
     the wgrad GEMM itself."""
-    if job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1"):
+    if (job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1")
+            or job.spec.lora):  # frozen weights get no gradient; an adapter's second one is negligible
         return 0.0
     m, tp = job.model, job.knobs.layout.tp
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim(m)) / tp if sp.layers else 0.0
@@ -515,7 +524,7 @@ def all_reduce_buffers(job: Job, sp: StageParams) -> float:
     if (job.engine != "hpctrain" or not fsdp_all_reduce or job.microbatches == 1 or job.params_on_host
             or job.spec.grad_sync != "microbatch"):
         return 0.0
-    return REDUCE_BYTES * sp.total / max(1, job.zero_group)
+    return REDUCE_BYTES * sp.trained(job) / max(1, job.zero_group)
 
 
 def cast_weight_grads(job: Job, extra: dict) -> float:
@@ -540,16 +549,40 @@ def accumulated_grads(job: Job, sp: StageParams) -> float:
     replicate = job.spec.data_parallel in ("replicate", "replicate_zero1")
     if not (job.knobs.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
         return 0.0
-    return REDUCE_BYTES * sp.total if job.spec.grad_sync == "step" else 0.0
+    return REDUCE_BYTES * sp.trained(job) if job.spec.grad_sync == "step" else 0.0
+
+
+def trained_share(job: Job, sp: StageParams) -> float:
+    return sp.trained(job) / sp.total if sp.total else 1.0
+
+
+def lora_state(job: Job, sp: StageParams) -> tuple[dict, dict]:
+    """Model state under LoRA: the adapters' as model_state prices any trained parameters, and the
+    frozen weights alone (no gradient, master copy or moments), kept in the compute dtype
+    (hpctrain.models.lora.store_frozen_as) and sharded by ZeRO-3 (routed experts over their own group)."""
+    dev, off = model_state(sp.adapters, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload,
+                           job.params_on_host, job.autocast)
+    frozen_bytes = BYTES[job.knobs.precision]
+    shard = job.zero_group if job.knobs.zero >= 3 else 1
+    eshard = expert_zero_group(job) if job.knobs.zero >= 3 else 1
+    frozen = (sp.total - sp.adapters - sp.experts) / max(1, shard) + sp.experts / max(1, eshard)
+    if job.params_on_host:  # FSDP2's CPU offload: the shards on the host, gathered on the device
+        off["params_frozen"] = frozen_bytes * frozen
+        frozen = 0.0 if job.knobs.zero >= 3 else sp.total - sp.adapters
+    dev["params"] = dev.get("params", 0.0) + frozen_bytes * frozen
+    return dev, off
 
 
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
     lay = job.knobs.layout
     sp = stage_params(job, stage)
-    dev, off = model_state(sp.total - sp.experts, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload,
-                           job.params_on_host, job.autocast)
-    if sp.experts:  # routed experts: sharded over what expert parallel leaves of the data-parallel ranks
+    if job.spec.lora:
+        dev, off = lora_state(job, sp)
+    else:
+        dev, off = model_state(sp.total - sp.experts, job.knobs.precision, job.knobs.zero, job.zero_group,
+                               job.knobs.offload, job.params_on_host, job.autocast)
+    if sp.experts and not job.spec.lora:  # routed experts: sharded over what expert parallel leaves of the data-parallel ranks
         e_dev, e_off = model_state(sp.experts, job.knobs.precision, job.knobs.zero, expert_zero_group(job),
                                    job.knobs.offload, job.params_on_host, job.autocast)
         dev = {k: dev.get(k, 0.0) + e_dev.get(k, 0.0) for k in {**dev, **e_dev}}

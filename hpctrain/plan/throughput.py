@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from hpctrain.core.flops import recompute_flops_per_token, train_flops_per_token
+from hpctrain.core.flops import lora_linears, recompute_flops_per_token, train_flops_per_token
 from hpctrain.core.shape import head_dim
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.context import attention_kept, cp_collectives
@@ -260,6 +260,7 @@ class StageTime:
     ep_exposed: float = 0.0  # expert parallel's dispatch and combine all-to-alls (in line)
     cp_exposed: float = 0.0  # context parallel's K/V traffic that attention does not hide
     experts: float = 0.0  # of params, routed experts (sharded by ZeRO over the expert group)
+    trained_share: float = 1.0  # of params, those with gradients (LoRA: the adapters)
 
     @property
     def total(self) -> float:
@@ -306,15 +307,23 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     layers = job.stage_layers(stage)
     first, last = job.first(stage), job.last(stage)
     lf = layer_fwd(job, hw, tokens, sw)
+    # Backward computes input and weight gradients: 2 GEMMs per forward one; LoRA's frozen weights need
+    # only the input's (torch skips a weight gradient no parameter wants), its adapters both.
+    wgrad = 0.0 if job.spec.lora else 1.0
     fwd = layers * (lf["gemm"] + lf["attn"] + lf["elem"])
-    bwd = layers * (2 * lf["gemm"] + lf["attn_bwd"] + 2 * lf["elem"])
+    bwd = layers * ((1 + wgrad) * lf["gemm"] + lf["attn_bwd"] + 2 * lf["elem"])
+    if job.spec.lora:
+        r = job.spec.lora.rank
+        adapter = sum(n * (hw.gemm(tokens, i, r) + hw.gemm(tokens, r, o)) for i, o, n, _ in lora_linears(m, lay.tp))
+        adapter *= layers / m.n_layers
+        fwd, bwd = fwd + adapter, bwd + 2 * adapter
     if first:  # embedding lookup and its scatter-add gradient
         fwd += tokens * m.dim / lay.tp * hw.elem / hw.hbm
         bwd += 2 * tokens * m.dim / lay.tp * hw.elem / hw.hbm
     if last:  # output projection and the fp32 loss over vocab-parallel logits
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp)
         fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
-        bwd += 2 * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
+        bwd += (1 + wgrad) * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
     recomputed = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
     w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
     recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
@@ -381,7 +390,8 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     sp = stage_params(job, stage)
     units = layers + first + last
     st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls + ep_colls + cp_colls,
-                   ep_exposed=ep_exposed, experts=sp.experts, cp_exposed=cp_exposed)
+                   ep_exposed=ep_exposed, experts=sp.experts, cp_exposed=cp_exposed,
+                   trained_share=sp.trained(job) / sp.total if sp.total else 1.0)
     _zero_traffic(job, st, hw, sw)
     return st
 
@@ -434,7 +444,10 @@ def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, sh
     lay, mb = job.knobs.layout, job.microbatches
     st.zero_exposed = st.dp_exposed = 0.0
     fwd, bwd = st.fwd, st.bwd + st.recompute
-    grad, par = P * REDUCE_BYTES, P * hw.elem
+    # Gradients exist for the trained parameters only (LoRA: the adapters); ZeRO-1/2 gather the updated
+    # ones after the step, ZeRO-3 every parameter for each forward and backward.
+    grad = P * st.trained_share * REDUCE_BYTES
+    par = P * hw.elem * (1.0 if job.knobs.zero >= 3 else st.trained_share)
 
     def hide(t: float, window: float) -> float:
         return _hide(t, window, st.units, sw.dp_overlap)
@@ -445,7 +458,7 @@ def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, sh
     elif job.knobs.zero == 1 and sw.zero1 == "all_reduce":
         # The parameters are fp32 (hpctrain.core.spec.dtypes); the broadcasts follow the optimizer step.
         colls = [_coll(job, "dp" if shard_dim == "dp_shard" else shard_dim, "all_reduce", grad, 1),
-                 _coll(job, shard_dim, "broadcast", P * 4, 1)]
+                 _coll(job, shard_dim, "broadcast", P * st.trained_share * 4, 1)]
         st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
         per_mb = job.knobs.zero >= 2 and job.spec.grad_sync == "microbatch"
