@@ -5,7 +5,6 @@ every layout: tests/test_layouts.py."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np

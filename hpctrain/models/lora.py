@@ -32,7 +32,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        return out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+        # one fused add (alpha): no output-sized temporary for the scaled update
+        return torch.add(out, F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B), alpha=self.scaling)
 
 
 def _new(like: torch.Tensor, shape: tuple, placement) -> nn.Parameter:
