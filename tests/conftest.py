@@ -20,8 +20,8 @@ NODES = 2  # emulated nodes the Slurm tests need
 
 # What a test file costs in a full run on 2 cores (seconds, summed --durations of its tests; the Slurm
 # tests are one group of their own): only the order matters, a file not listed comes after these.
-COSTLY = {"test_checkpoint_resume.py": 410, "test_layouts.py": 280, "test_moe.py": 235, "test_supervise.py": 235,
-          "test_readme.py": 195, "test_trackers.py": 170, "test_sp_regather.py": 160, "test_config.py": 125,
+COSTLY = {"test_checkpoint_resume.py": 330, "test_layouts.py": 340, "test_finetune.py": 60, "test_moe.py": 235, "test_supervise.py": 235,
+          "test_readme.py": 240, "test_trackers.py": 170, "test_sp_regather.py": 160, "test_config.py": 125,
           "test_published.py": 115, "test_engine_promises.py": 115, "test_train_dist.py": 110, "test_hf.py": 105,
           "test_offload.py": 100, "test_validation.py": 90, "test_report.py": 80, "test_checkpoint_damage.py": 80,
           "test_serializers.py": 80, "test_k8s.py": 55, "test_multirun.py": 55, "test_profile.py": 45,

@@ -1,6 +1,7 @@
 """Tokenize a corpus into memory-mapped token shards with a validation split.
 
     python -m hpctrain.data.prepare SRC OUT [--tokenizer tokenizer.json] [--workers N] [--val-fraction 0.01]
+    python -m hpctrain.data.prepare SRC OUT --tokenizer DIR --format chat|prompt [--seq-len N] [--too-long refuse]
 
 SRC is a file or a directory of text files (.txt .md .rst .py: one document each), JSON lines and
 Parquet (one document per row, from --text-field). Each document is tokenized with the Hugging Face
@@ -10,6 +11,11 @@ number of workers. OUT gets `train-NNNNN.bin`, `val-NNNNN.bin`, a copy of the to
 OUT is new, empty, or an earlier prepare's output (hpctrain.core.outdir): the new shards are built
 beside it and swapped in when complete, so a failed prepare leaves the earlier one whole, and files
 prepare did not write are never touched. OUT may not be inside SRC: prepare would read its own output.
+
+--format chat (JSON lines of {"messages": [...]}, rendered with the tokenizer's chat template) and
+--format prompt ({"prompt", "completion"}) also write `<split>-NNNNN.mask` beside each shard: one byte
+per token, 1 where the loss is computed (the assistant's turns, the completion; hpctrain.data.chat).
+With --seq-len the records are laid out so that none is split across two samples (docs/finetune.md).
 """
 from __future__ import annotations
 
