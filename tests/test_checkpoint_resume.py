@@ -151,6 +151,8 @@ def stopped_step(run_dir: Path) -> int:
     (("parallel=ddp", "parallel.zero=1", "parallel.tp=2", "launcher.nproc=4"), ("parallel=fsdp", "launcher.nproc=2")),
     # FSDP2 dp2 -> ZeRO-1 x PP 2, dp 2 (each owner loads its share of the moments)
     (("parallel=fsdp", "launcher.nproc=2"), ("parallel=ddp", "parallel.zero=1", "parallel.pp=2", "launcher.nproc=4")),
+    # FSDP2 dp2 -> each sequence over cp 2 (the same stream of whole sequences, split inside the step)
+    (("parallel=fsdp", "launcher.nproc=2"), ("parallel=fsdp", "parallel.cp=2", "launcher.nproc=2")),
 ])
 def test_resharded_resume_continues_the_same_run(tmp_path, uninterrupted, stopped, first, then):
     if first == ("parallel=fsdp", "launcher.nproc=2"):  # the default layout: the usr2 test's stopped run
