@@ -11,15 +11,10 @@ from pathlib import Path
 
 from hpctrain.core import hf_format as hf
 from hpctrain.core import outdir
+from hpctrain.core.adapters import CONFIG, WEIGHTS, AdapterError, read_adapter_config  # noqa: F401 (re-exported)
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 TOOL = "hpctrain.checkpoint export --format peft"
 PREFIX = "base_model.model."
-
-
-class AdapterError(ValueError):
-    """An adapter directory that cannot be used; the message says why and how to fix it."""
 
 
 def peft_name(name: str, arch: str) -> str:
@@ -30,7 +25,7 @@ def peft_name(name: str, arch: str) -> str:
 
 def adapter_config(lora, arch: str, base: str | None) -> dict:
     """PEFT's LoraConfig fields for model.lora."""
-    from hpctrain.core.spec import HF_LINEAR
+    from hpctrain.core.shape import HF_LINEAR
 
     to_hf = {v: k for k, v in HF_LINEAR.items()}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora.rank), "lora_alpha": float(lora.alpha),
@@ -70,27 +65,6 @@ def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=1))
     return config
-
-
-def read_adapter_config(path: str | os.PathLike, lora) -> dict:
-    """adapter_config.json of an adapter directory, checked against model.lora (rank, alpha); cheap
-    enough for the login node."""
-    d = Path(path)
-    try:
-        cfg = json.loads((d / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{d / CONFIG} cannot be read ({e}): model.lora.init_from must be a PEFT adapter "
-                           f"directory (adapter_config.json, adapter_model.safetensors)") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{d / CONFIG} is not a LoRA adapter's config")
-    if cfg.get("r") != lora.rank or float(cfg.get("lora_alpha", -1)) != float(lora.alpha):
-        raise AdapterError(f"{d} has rank {cfg.get('r')} and alpha {cfg.get('lora_alpha')}, the run asks for "
-                           f"model.lora.rank={lora.rank} model.lora.alpha={lora.alpha}. Fix: set them to the adapter's")
-    if cfg.get("use_rslora") or cfg.get("use_dora") or cfg.get("fan_in_fan_out"):
-        raise AdapterError(f"{d / CONFIG}: rsLoRA, DoRA and fan_in_fan_out adapters are not supported")
-    if not (d / WEIGHTS).is_file():
-        raise AdapterError(f"{d / WEIGHTS} is missing. Fix: export or download the adapter again")
-    return cfg
 
 
 def read_adapter(path: str | os.PathLike, lora) -> dict:

@@ -260,7 +260,7 @@ def _chat_windows(cfg: Config):
 @_check
 def _lora(cfg: Config):
     """model.lora.*: a rank, scale and dropout in range, layers that exist, an adapter that fits."""
-    from hpctrain.core.spec import HF_LINEAR, LORA_TARGETS as TARGETS
+    from hpctrain.core.shape import HF_LINEAR, LORA_TARGETS as TARGETS
 
     lo = cfg.model.lora
     if lo.rank < 0:
@@ -279,7 +279,7 @@ def _lora(cfg: Config):
                f"{'is not a' if len(unknown) == 1 else 'are not'} linear layer{'s' if len(unknown) != 1 else ''} "
                f"of a block. Fix: choose from {', '.join(TARGETS)} (or Hugging Face's {', '.join(HF_LINEAR)})")
     if lo.init_from:
-        from hpctrain.checkpoint.peft_format import AdapterError, read_adapter_config
+        from hpctrain.core.adapters import AdapterError, read_adapter_config
 
         try:
             read_adapter_config(lo.init_from, lo)

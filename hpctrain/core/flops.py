@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from hpctrain.core.schema import ModelConfig
-from hpctrain.core.shape import expert_ffn, head_dim as _head_dim, moe_layer_count
+from hpctrain.core.shape import HF_LINEAR, expert_ffn, head_dim as _head_dim, moe_layer_count
 
 
 def param_counts(m: ModelConfig) -> dict:
@@ -43,8 +43,6 @@ def lora_linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int, int, bool]
     lo = getattr(m, "lora", None)
     if lo is None or lo.rank <= 0:
         return []
-    from hpctrain.core.spec import HF_LINEAR
-
     hd, n_moe = _head_dim(m), moe_layer_count(m)
     shared = m.moe.shared_experts * expert_ffn(m) if m.moe.experts else 0
     ffn_layers = [(m.ffn_dim, m.n_layers - n_moe)] + ([(shared, n_moe)] if shared and n_moe else [])

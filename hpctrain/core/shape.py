@@ -36,3 +36,9 @@ def moe_layer_count(m: ModelConfig) -> int:
 def expert_ffn(m: ModelConfig) -> int:
     """Hidden width of one routed expert: moe.ffn_dim, or model.ffn_dim when unset."""
     return m.moe.ffn_dim or m.ffn_dim
+
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # hpctrain's linear layers of a block
+# Hugging Face's names of the block's linear layers (Llama, Qwen, Mixtral), as model.lora.targets may give them.
+HF_LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "down_proj": "w2",
+             "up_proj": "w3"}

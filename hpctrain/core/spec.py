@@ -15,6 +15,7 @@ from functools import cached_property, lru_cache
 from typing import Optional
 
 from hpctrain.core.flops import param_counts, train_flops_per_token
+from hpctrain.core.shape import HF_LINEAR
 from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -164,11 +165,6 @@ class LoRA:
     dropout: float
     targets: tuple
 
-
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # hpctrain's linear layers of a block
-# Hugging Face's names of the block's linear layers (Llama, Qwen, Mixtral), as model.lora.targets may give them.
-HF_LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "down_proj": "w2",
-             "up_proj": "w3"}
 
 
 def lora_of(model) -> Optional[LoRA]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.core.spec import LORA_TARGETS as TARGETS
+from hpctrain.core.shape import LORA_TARGETS as TARGETS
 
 
 class LoRALinear(nn.Linear):
