@@ -4,6 +4,7 @@ peft, merged export in transformers, import to continue). The per-step losses of
 every layout: tests/test_layouts.py."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -328,6 +329,14 @@ def test_bad_fine_tuning_keys_are_refused_on_the_login_node(chat_shards, tmp_pat
 # --- the planner under LoRA ----------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def TINY_MODEL():
+    """The tiny preset's model config, composed once (Hydra takes ~0.5 s a call)."""
+    from hpctrain.core.compose import compose
+
+    return compose(["+experiment=tiny"]).model
+
+
 @settings(max_examples=25, deadline=None)
 @given(dim=st.sampled_from([32, 64]), heads=st.sampled_from([2, 4]), kv=st.sampled_from([1, 2]),
        ffn=st.integers(8, 96), layers=st.integers(1, 3), rank=st.integers(1, 8), experts=st.sampled_from([0, 4]),
@@ -337,22 +346,22 @@ def test_planned_adapter_count_is_the_models(dim, heads, kv, ffn, layers, rank, 
     """lora_params (the planner's arithmetic) against the parameters apply_lora adds to the real module
     tree, dense and MoE (shared experts adapted, routed ones not). Mutants: the MoE blocks' SwiGLU counted,
     the shared experts forgotten, Hugging Face names not mapped, in + out taken as in x out."""
-    from hpctrain.core.compose import compose
+    from dataclasses import replace
+
     from hpctrain.core.flops import lora_params
     from hpctrain.core.spec import lora_of
     from hpctrain.models.llama import build_meta
     from hpctrain.models.lora import apply_lora
 
-    moe = [f"model.moe.experts={experts}", "model.moe.top_k=2", f"model.moe.shared_experts={shared}",
-           "model.moe.ffn_dim=24"] if experts else []
-    cfg = compose(["+experiment=tiny", f"model.dim={dim}", f"model.n_heads={heads}", f"model.n_kv_heads={kv}",
-                   f"model.ffn_dim={ffn}", f"model.n_layers={layers}", f"model.lora.rank={rank}",
-                   f"model.lora.targets=[{','.join(sorted(targets))}]", *moe])
-    model = build_meta(cfg.model, 16)
-    lo = lora_of(cfg.model)
+    base = TINY_MODEL()
+    model_cfg = replace(base, dim=dim, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, n_layers=layers,
+                        lora=replace(base.lora, rank=rank, targets=sorted(targets)),
+                        moe=replace(base.moe, experts=experts, top_k=2, shared_experts=shared, ffn_dim=24))
+    model = build_meta(model_cfg, 16)
+    lo = lora_of(model_cfg)
     apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets)
     real = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B")))
-    assert lora_params(cfg.model) == real
+    assert lora_params(model_cfg) == real
 
 
 def test_70b_lora_fits_8_h100_because_frozen_weights_hold_no_state():

@@ -31,8 +31,8 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
                      ("train.steps=300", "train.steps=40"), ("checkpoint.every=100", "checkpoint.every=40"),
                      ("eval.every=50", "eval.every=10"), ("step-00000300", "step-00000040"),
                      ("outputs/sft", str(tmp_path / "sft")),
-                     (f"run.dir={tmp_path / 'sft'}", f"run.dir={tmp_path / 'sft'} train.steps=30 eval.every=10 "
-                                                     "checkpoint.every=30"), ("step-00000100", "step-00000030")]:
+                     (f"run.dir={tmp_path / 'sft'}", f"run.dir={tmp_path / 'sft'} train.steps=20 eval.every=10 "
+                                                     "eval.batches=2 checkpoint.every=20"), ("step-00000100", "step-00000020")]:
         assert old in script, old  # the README still says what this test runs
         script = script.replace(old, new)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, capture_output=True, text=True,
@@ -49,7 +49,7 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
     # Fine-tuning: the loss on the assistant's tokens falls, the adapter is PEFT's, the chat generates.
     sft = [r for r in map(json.loads, (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines())]
     val = [r["val_loss"] for r in sft if "val_loss" in r]
-    assert len(val) == 3 and val[-1] < val[0], val
+    assert len(val) == 2 and val[-1] < val[0], val
     assert sorted(p.name for p in (tmp_path / "sft" / "adapter").iterdir()) == [
         ".hpctrain-output.json", "adapter_config.json", "adapter_model.safetensors"]
     assert "<|im_start|>user\nWhat is os.path.join for?<|im_end|>\n<|im_start|>assistant\n" in proc.stdout, \
