@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -15,6 +13,8 @@ import yaml
 from hpctrain.checks.config_checks import check, compose_checked
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.data.prepare import prepare
+
+from helpers import run_main
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = "+experiment=tiny"
@@ -31,15 +31,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     """`python -m hpctrain ARGS`'s exit code and output, run in this process: these commands compose,
     check and plan on the login node and start nothing, and a subprocess would add ~1.5 s of interpreter
     and import start-up to each (tests/test_readme.py runs the real command line)."""
-    from hpctrain.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    return subprocess.CompletedProcess(["python", "-m", "hpctrain", *args], rc, out.getvalue(), err.getvalue())
+    return run_main("hpctrain", *args)
 
 
 def assert_mentions(msg: str, *parts: str) -> None:

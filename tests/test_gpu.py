@@ -13,6 +13,8 @@ as passing.
 - long context: the attention pairs context parallelism computes (matmul path) and the document mask on
   CUDA against SDPA, and document-masked training in bf16 against fp32 on the CPU. (Context parallelism
   itself needs two GPUs: NCCL refuses two ranks on one device.)
+- LoRA in bf16 (frozen base stored in bf16, fp32 adapters) under FSDP2 and under DDP's autocast, against
+  fp32 on the CPU.
 """
 from __future__ import annotations
 
@@ -215,3 +217,22 @@ def test_document_masked_training_in_bf16_tracks_fp32_on_the_cpu(tmp_path):
     run_cli(*SMALL, *GPU, *docs, "train.precision=bf16", f"run.dir={tmp_path / 'gpu'}", timeout=600)
     run_cli(*SMALL, *CPU, *docs, f"run.dir={tmp_path / 'cpu'}", timeout=600)
     close(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), BF16_TOL)
+
+
+@pytest.mark.parametrize("zero", [3, 1])
+def test_lora_in_bf16_tracks_fp32_on_the_cpu(tmp_path, zero):
+    """LoRA on CUDA in bf16: the frozen base stored in bf16 beside fp32 adapters, in FSDP2's groups (ZeRO-3)
+    and under autocast (ZeRO-1 over one rank: DDP), against the same run in fp32 on the CPU; the frozen
+    weights are bf16 in the checkpoint (they were never given an fp32 copy)."""
+    lora = ("model.lora.rank=16", "model.lora.alpha=32", "optim.lr=1e-3", "checkpoint.every=6")
+    layout = ("parallel=fsdp",) if zero == 3 else ("parallel=ddp", "parallel.zero=1")
+    run_cli(*SMALL, *GPU, *lora, *layout, "train.precision=bf16", f"run.dir={tmp_path / 'gpu'}", timeout=600)
+    run_cli(*SMALL, *CPU, *lora, f"run.dir={tmp_path / 'cpu'}", timeout=600)
+    close(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), BF16_TOL)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "gpu" / "checkpoints" / "step-00000006")).read_metadata()
+    dtypes = {k: v.properties.dtype for k, v in md.state_dict_metadata.items() if k.startswith("model.")
+              and hasattr(v, "properties")}
+    assert dtypes["model.layers.0.attention.wq.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.attention.wq.lora_A"] == torch.float32
