@@ -117,7 +117,7 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
     val_data = build_dataset(cfg, "val")
     val_order = StepSampler(val_data, B, B, 0, 1, cfg.data.seed)
     with torch.no_grad():
-        if getattr(val_data, "has_loss_mask", False):  # the mean of each global batch's per-token mean
+        if val_data.has_loss_mask:  # the mean of each global batch's per-token mean
             val = sum(batch_loss(model, val_data, [val_order._index(i) for i in range(b * B, (b + 1) * B)],
                                  data_cfg)[1].item() for b in range(cfg.eval.batches)) / cfg.eval.batches
         else:
@@ -128,14 +128,19 @@ def reference_run(cfg, steps: int | None = None, workdir: Path | None = None, in
 
 def with_peft_adapters(model, cfg):
     """transformers' model as PEFT's LoraModel for model.lora, its A matrices those hpctrain starts from
-    (B is zero in both)."""
+    (B is zero in both), or the adapter model.lora.init_from names, loaded by PEFT."""
     from peft import LoraConfig, get_peft_model
 
     from hpctrain.core.spec import lora_of
     from hpctrain.models.lora import apply_lora
     from hpctrain.checkpoint.peft_format import peft_name
+    from hpctrain.core.shape import is_adapter
 
     lo = lora_of(cfg.model)
+    if cfg.model.lora.init_from:  # PEFT's own loader: the reference for model.lora.init_from
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, cfg.model.lora.init_from, is_trainable=True)
     to_hf = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w2": "down_proj",
              "w3": "up_proj"}
     model = get_peft_model(model, LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout, bias="none",
@@ -146,7 +151,7 @@ def with_peft_adapters(model, cfg):
     arch = hf.architecture(cfg.model)
     with torch.no_grad():
         for name, p in ours.named_parameters():
-            if name.endswith(("lora_A", "lora_B")):
+            if is_adapter(name):
                 t = torch.empty(p.shape)
                 gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + zlib.crc32(name.encode()))
                 init_param_(name, t, cfg.model, gen)
@@ -158,7 +163,7 @@ def batch_loss(model, data, idx: list, data_cfg, **kw):
     """(transformers' output, the mean loss) on samples `idx`. Chat data: transformers' own loss on
     labels that are -100 outside the loss mask (the whole sample as input, so every target counts)."""
     rows = torch.stack([torch.as_tensor(data[i]) for i in idx])
-    if getattr(data, "has_loss_mask", False):
+    if data.has_loss_mask:
         mask = torch.stack([torch.from_numpy(data.loss_mask(i).copy()) for i in idx]).bool()
         out = model(input_ids=rows, labels=torch.where(mask, rows, -100), **packed(rows, data_cfg), **kw)
         return out, out.loss

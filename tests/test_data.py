@@ -172,6 +172,8 @@ def test_prepare_cli_ok(corpus, tmp_path):
 class IndexDataset:
     """Sample i is seq_len + 1 copies of i: the sampler's choices can be read back from the batch."""
 
+    has_loss_mask = False  # the dataset protocol (hpctrain.data): every token trained
+
     def __init__(self, n: int, seq_len: int = 3):
         self.n, self.seq_len = n, seq_len
 

@@ -77,6 +77,8 @@ LAYOUTS = {
         f"{LORA} parallel.zero=0",
         f"{LORA} parallel.pp=2 parallel.dp_shard=1", f"{LORA} model.lora.targets=[q_proj,v_proj,down_proj] parallel.zero=1",
         f"{LORA} offload=cpu",
+        # a PEFT adapter to continue from, split over FSDP2's and TP's ranks
+        f"{LORA} model.lora.init_from=@adapter", f"{LORA} model.lora.init_from=@adapter parallel.tp=2 parallel.dp_shard=1",
         # chat data: the trained tokens counted over the whole global batch, whatever each rank holds
         SFT, f"{SFT} parallel.tp=2 parallel.dp_shard=1", f"{SFT} parallel.pp=2 parallel.dp_shard=1",
         f"{SFT} parallel.cp=2", f"{SFT} {LORA} parallel.zero=3"],
@@ -107,9 +109,37 @@ def model_overrides(layout: str) -> tuple:
     return tuple(o for o in layout.split() if o.startswith(("model.", "data.")))
 
 
+PLACEHOLDERS = {"@chat": "chat_shards", "@adapter": "peft_adapter"}
+
+
 def with_paths(layout: str, request) -> str:
-    """The layout with @chat replaced by the chat shards' directory (made only when a layout needs it)."""
-    return layout.replace("@chat", str(request.getfixturevalue("chat_shards"))) if "@chat" in layout else layout
+    """The layout with @chat (the chat shards' directory) and @adapter (a PEFT adapter) replaced, each made
+    only when a layout needs it."""
+    for mark, fixture in PLACEHOLDERS.items():
+        if mark in layout:
+            layout = layout.replace(mark, str(request.getfixturevalue(fixture)))
+    return layout
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory):
+    """A LoRA adapter written by PEFT itself (save_pretrained) for the tiny model of LORA, A and B both
+    random (init_lora_weights=False): model.lora.init_from must give every rank its slice of each."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from layout_worker import COMMON
+    from reference import hf_dir
+
+    d = tmp_path_factory.mktemp("peft_adapter")
+    base = AutoModelForCausalLM.from_pretrained(hf_dir(compose([*COMMON, *LORA.split()]), d / "base"))
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM",
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]))
+    model.save_pretrained(d / "adapter")
+    return d / "adapter"
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from hpctrain.train.sampler import StepSampler
 class Tagged:
     """Source s's sample i is [s, i, i, ...]: a batch tells which source and sample it came from."""
 
+    has_loss_mask = False  # the dataset protocol (hpctrain.data): every token trained
+
     def __init__(self, s: int, n: int, seq_len: int = 3):
         self.s, self.n, self.seq_len = s, n, seq_len
 

@@ -24,7 +24,7 @@ from hpctrain.train.metrics import read_metrics
 
 from helpers import run_cli
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 (a dev dependency: the independent reference; a missing one fails)
 
 # Published totals and active parameters, and the unit of their last digit: the cards round or cut
 # (Qwen3-30B-A3B's 3.35B active is published as 3.3B), so a count within one unit is the published one.

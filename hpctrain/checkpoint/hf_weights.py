@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from hpctrain.core import hf_format as hf
 from hpctrain.core import outdir
 from hpctrain.core.compose import model_config
+from hpctrain.core.shape import is_adapter
 from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
 from hpctrain.core.rundir import read_info
 from hpctrain.data.shards import read_meta
@@ -54,7 +55,7 @@ def load_hf(parts: list, path: str | os.PathLike, model) -> int:
                 continue  # the embedding is loaded; the output is the same tensor
             if name.endswith("moe.router.bias"):
                 continue  # the balancing bias starts at zero; no Hugging Face format holds it
-            if name.endswith(("lora_A", "lora_B")):
+            if is_adapter(name):
                 continue  # adapters: PEFT's format (model.lora.init_from), never the base model's
             if hf.is_expert(name):
                 experts[hf.to_hf(name, arch)] = t
@@ -120,7 +121,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     names = [n for n in names if not n.endswith("moe.router.bias")]
     # A LoRA run's adapters are merged into their layers' weights (W + alpha / rank B A): a plain model.
     adapted = {n[:-len("lora_A")] + "weight" for n in names if n.endswith("lora_A")}
-    names = [n for n in names if not n.endswith(("lora_A", "lora_B"))]
+    names = [n for n in names if not is_adapter(n)]
     if model_cfg.tie_embeddings:
         names = [n for n in names if n != "output.weight"]
     order = sorted(names, key=_hf_order)

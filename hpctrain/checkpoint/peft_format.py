@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hpctrain.core import hf_format as hf
 from hpctrain.core import outdir
+from hpctrain.core.shape import is_adapter
 from hpctrain.core.adapters import CONFIG, WEIGHTS, AdapterError, read_adapter_config  # noqa: F401 (re-exported)
 
 TOOL = "hpctrain.checkpoint export --format peft"
@@ -50,7 +51,7 @@ def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict
     check_files(step_dir, md)
     info = read_info(step_dir)
     model_cfg = model_config(info["config"]["model"])
-    keys = {k for k in md.state_dict_metadata if k.startswith("model.") and k.endswith(("lora_A", "lora_B"))}
+    keys = {k for k in md.state_dict_metadata if k.startswith("model.") and is_adapter(k)}
     if not keys or model_cfg.lora.rank <= 0:
         raise AdapterError(f"{step_dir} holds no LoRA adapters (a run without model.lora.rank). Fix: export its "
                            f"weights with --format hf instead")
@@ -75,44 +76,38 @@ def read_adapter(path: str | os.PathLike, lora) -> dict:
     read_adapter_config(d, lora)
     try:
         return load_file(str(d / WEIGHTS))
-    except (OSError, Exception) as e:  # safetensors raises its own error type on a damaged file
+    except Exception as e:  # safetensors raises its own error type on a damaged file
         raise AdapterError(f"{d / WEIGHTS} cannot be read ({e}). Fix: export or download the adapter again") from None
 
 
-def _plain(name: str) -> str:
-    """The plain model's name of a parameter, whatever wraps it (DDP, checkpointing, torch.compile)."""
-    name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-    return name[len("module."):] if name.startswith("module.") else name
-
-
 def load_peft(parts: list, path: str | os.PathLike, model_cfg) -> int:
-    """Fill the adapters of this rank's model parts from a PEFT adapter directory; returns how many."""
+    """Fill the adapters of this rank's model parts from a PEFT adapter directory; all ranks call it
+    together. Each rank keeps its own slice of every full tensor (DTensor parameters: FSDP2, TP).
+    Returns how many tensors it filled."""
     import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     arch = hf.architecture(model_cfg)
     tensors = read_adapter(path, model_cfg.lora)
+    n = 0
     with torch.no_grad():
-        _fill(parts, tensors, arch, path)
-    return sum(1 for part in parts for name, _ in part.named_parameters() if _plain(name).endswith(("lora_A", "lora_B")))
-
-
-def _fill(parts: list, tensors: dict, arch: str, path) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for part in parts:
-        for name, p in part.named_parameters():
-            plain = _plain(name)
-            if not plain.endswith(("lora_A", "lora_B")):
-                continue
-            key = peft_name(plain, arch)
-            if key not in tensors:
-                raise AdapterError(f"{path}/{WEIGHTS} has no {key}: its target_modules differ from "
-                                   f"model.lora.targets. Fix: set model.lora.targets to the adapter's")
-            full = tensors[key].to(p.dtype)
-            if tuple(full.shape) != tuple(p.shape):
-                raise AdapterError(f"{path}: {key} is {tuple(full.shape)}, this model's is {tuple(p.shape)}")
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
-                                                     src_data_rank=None).to_local())
-            else:
-                p.copy_(full)
+        for part in parts:
+            # the plain model's names, whatever wraps it; the values are the parameters themselves
+            for name, p in get_model_state_dict(part).items():
+                if not is_adapter(name):
+                    continue
+                key = peft_name(name, arch)
+                if key not in tensors:
+                    raise AdapterError(f"{path}/{WEIGHTS} has no {key}: its target_modules differ from "
+                                       f"model.lora.targets. Fix: set model.lora.targets to the adapter's")
+                full = tensors[key].to(p.dtype)
+                if tuple(full.shape) != tuple(p.shape):
+                    raise AdapterError(f"{path}: {key} is {tuple(full.shape)}, this model's is {tuple(p.shape)}")
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements,
+                                                         src_data_rank=None).to_local())
+                else:
+                    p.copy_(full)
+                n += 1
+    return n

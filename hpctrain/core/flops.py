@@ -36,8 +36,8 @@ def param_counts(m: ModelConfig) -> dict:
             "dense_block": dense_block, "moe_block": moe_block - e.experts * expert}
 
 
-def lora_linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int, int, bool]]:
-    """(in_features, out_features, layers, rowwise) of each adapted linear kind (model.lora.targets): the
+def lora_linears(m: ModelConfig, tp: int = 1) -> list[tuple[float, float, int]]:
+    """(in_features, out_features, layers) of each adapted linear kind (model.lora.targets): the
     attention projections of every block, the SwiGLU of dense blocks and of MoE blocks' shared experts
     (routed experts get no adapters). `tp` splits them as tensor parallel does."""
     lo = getattr(m, "lora", None)
@@ -54,7 +54,7 @@ def lora_linears(m: ModelConfig, tp: int = 1) -> list[tuple[int, int, int, bool]
     for t in dict.fromkeys(HF_LINEAR.get(t, t) for t in lo.targets):
         for i, o, n in shapes.get(t, []):
             rowwise = t in ("wo", "w2")
-            out.append((i / tp if rowwise else i, o if rowwise else o / tp, n, rowwise))
+            out.append((i / tp if rowwise else i, o if rowwise else o / tp, n))
     return out
 
 
@@ -62,7 +62,7 @@ def lora_params(m: ModelConfig, tp: int = 1) -> float:
     """Adapter parameters (rank x (in + out) per adapted linear), on one TP rank: a colwise layer's A
     is replicated and its B split, a rowwise layer's A split and its B replicated (hpctrain.models.lora)."""
     r = m.lora.rank if getattr(m, "lora", None) is not None else 0
-    return sum(r * (i + o) * n for i, o, n, _ in lora_linears(m, tp))
+    return sum(r * (i + o) * n for i, o, n in lora_linears(m, tp))
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:

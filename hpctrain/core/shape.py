@@ -42,3 +42,8 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # hpctrain's linear l
 # Hugging Face's names of the block's linear layers (Llama, Qwen, Mixtral), as model.lora.targets may give them.
 HF_LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w1", "down_proj": "w2",
              "up_proj": "w3"}
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's parameter (hpctrain.models.lora), by its name."""
+    return name.endswith(("lora_A", "lora_B"))

@@ -166,7 +166,6 @@ class LoRA:
     targets: tuple
 
 
-
 def lora_of(model) -> Optional[LoRA]:
     lo = getattr(model, "lora", None)
     if lo is None or lo.rank <= 0:

@@ -1,7 +1,10 @@
 """Token datasets without torch: synthetic, memory-mapped shards (numpy arrays per sample), weighted
 mixtures of shard directories, the shard format and `python -m hpctrain.data.prepare`. The login node
 reads shard metadata to check a config; the ranks batch samples into tensors with
-hpctrain.train.sampler."""
+hpctrain.train.sampler.
+
+A dataset is indexable (each item seq_len + 1 token ids) with `len`, and says `has_loss_mask`: when
+true, `loss_mask(i)` gives item i's mask (1: the token is trained as a target; chat and prompt shards)."""
 from __future__ import annotations
 from hpctrain.core.schema import Config
 from hpctrain.data.synthetic import SyntheticDataset

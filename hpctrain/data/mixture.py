@@ -62,20 +62,21 @@ class Mixture:
         s = int(owner[j])
         return s, b * self.quota[s] + int(rank[j])
 
-    def __getitem__(self, k: int) -> np.ndarray:
+    def _locate(self, k: int) -> tuple:
+        """(the source dataset, its sample index) of stream position k."""
         s, i = self.source_of(k)
         epoch, pos = divmod(i, len(self.datasets[s]))
-        return self.datasets[s][int(self._perm(s, epoch)[pos])]
+        return self.datasets[s], int(self._perm(s, epoch)[pos])
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        ds, index = self._locate(k)
+        return ds[index]
 
     @property
     def has_loss_mask(self) -> bool:
-        return any(getattr(d, "has_loss_mask", False) for d in self.datasets)
+        return any(d.has_loss_mask for d in self.datasets)
 
     def loss_mask(self, k: int) -> np.ndarray:
         """Sample k's loss mask; all ones for a source without one (plain text: every token trained)."""
-        s, pos = self.source_of(k)
-        epoch, pos = divmod(pos, len(self.datasets[s]))
-        index = int(self._perm(s, epoch)[pos])
-        if getattr(self.datasets[s], "has_loss_mask", False):
-            return self.datasets[s].loss_mask(index)
-        return np.ones(self.datasets[s].seq_len + 1, dtype=np.uint8)
+        ds, index = self._locate(k)
+        return ds.loss_mask(index) if ds.has_loss_mask else np.ones(ds.seq_len + 1, dtype=np.uint8)

@@ -17,6 +17,8 @@ class SyntheticDataset:
     distributed lengths), each starting at a random token, following the rule and ending with eos_id,
     which never occurs inside one."""
 
+    has_loss_mask = False  # every token is trained (chat shards carry a mask: hpctrain.data.shards)
+
     def __init__(self, vocab_size: int, seq_len: int, seed: int, split: str = "train", eos_id: int = -1,
                  doc_len: int = 0):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed

@@ -90,13 +90,3 @@ def init_lora_(name: str, t: torch.Tensor, generator=None) -> bool:
         nn.init.zeros_(t)
         return True
     return False
-
-
-def is_adapter(name: str) -> bool:
-    return name.endswith(("lora_A", "lora_B"))
-
-
-@torch.no_grad()
-def merged_weight(m: LoRALinear) -> torch.Tensor:
-    """W + (alpha / rank) B A: the plain layer the adapted one computes (without dropout)."""
-    return m.weight + (m.lora_B.float() @ m.lora_A.float()).to(m.weight.dtype) * m.scaling

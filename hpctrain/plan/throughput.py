@@ -314,7 +314,7 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     bwd = layers * ((1 + wgrad) * lf["gemm"] + lf["attn_bwd"] + 2 * lf["elem"])
     if job.spec.lora:
         r = job.spec.lora.rank
-        adapter = sum(n * (hw.gemm(tokens, i, r) + hw.gemm(tokens, r, o)) for i, o, n, _ in lora_linears(m, lay.tp))
+        adapter = sum(n * (hw.gemm(tokens, i, r) + hw.gemm(tokens, r, o)) for i, o, n in lora_linears(m, lay.tp))
         adapter *= layers / m.n_layers
         fwd, bwd = fwd + adapter, bwd + 2 * adapter
     if first:  # embedding lookup and its scatter-add gradient

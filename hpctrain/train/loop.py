@@ -109,7 +109,7 @@ class Trainer:
                                  self.meshes.cp.get_local_rank() if self.meshes.cp is not None else 0,
                                  self.spec.layout.cp)
         dataset = build_dataset(cfg)
-        self.sampler_masked = bool(getattr(dataset, "has_loss_mask", False))
+        self.sampler_masked = dataset.has_loss_mask
         self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
                                    self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
         self.progress = Progress()
@@ -291,7 +291,7 @@ class Trainer:
     def _eval_batch(self, micro) -> torch.Tensor:
         # forward_only (pipelines) averages over micro-batches, as a schedule does
         self._scale_loss_for(micro, pipelined=self.schedule is not None,
-                             masked=bool(getattr(self._val_data, "has_loss_mask", False)))
+                             masked=self._val_data.has_loss_mask)
         if self.schedule is None:
             loss = torch.zeros((), device=self.device)
             for x, y in micro:

@@ -49,7 +49,7 @@ class StepSampler:
         t = torch.from_numpy(np.stack([self.ds[i] for i in indices]))
         self.position += self.global_batch
         y = t[:, 1:]
-        if getattr(self.ds, "has_loss_mask", False):  # chat data: untrained targets are ignored (-100)
+        if self.ds.has_loss_mask:  # chat data: untrained targets are ignored (-100)
             mask = torch.from_numpy(np.stack([self.ds.loss_mask(i) for i in indices]))[:, 1:]
             y = torch.where(mask.bool(), y, IGNORE)
         return list(zip(t[:, :-1].split(self.micro_batch), y.split(self.micro_batch)))
