@@ -137,10 +137,20 @@ def probe(t: Trainer) -> dict:
             "matmul": sorted(mode.seen), "reduce": sorted(record["reduce"]), "gather": sorted(record["gather"]),
             "after_forward": record["after_forward"], "has_output": model.output is not None,
             "n_reduce": record["n_reduce"], "n_gather": record["n_gather"], "microbatches": t.spec.microbatches,
-            "units": sum(1 for q in t.parts for m in q.modules() if hasattr(m, "set_requires_gradient_sync")),
+            "units": _fsdp_units(t.parts), "blocks": len(model.layers),
             "grads": record["grads"], "grad_dtypes": record["grad_dtypes"], "moments": _bytes(moments),
             "at_rest": _bytes(params), "param_dtypes": sorted({str(_local(p).dtype).replace("torch.", "") for p in params}),
             "full": sum(_tp_share(p, tp_mesh) for p in params), "largest": max(_tp_share(p, tp_mesh) for p in params)}
+
+
+def _fsdp_units(parts) -> int:
+    """FSDP2 units with parameters: one per fully_shard call that took some (a call over a list of
+    modules, as the final norm with the output, is one unit; the root is none when all went below)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(g) for q in parts for m in q.modules() if isinstance(m, FSDPModule)
+              for g in [m._get_fsdp_state()._fsdp_param_group] if g is not None}
+    return len(groups)
 
 
 def main() -> None:
@@ -149,3 +159,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     run_rank_of_layouts(main)
+

@@ -15,7 +15,7 @@ from hpctrain.models.moe import moe_modules
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: bool = True, host_params: bool = False, pin_memory: bool = False,
                expert_mesh=None) -> nn.Module:
-    """Shard every block, then the root (embeddings, final norm, output).
+    """Shard every block, the embedding, the final norm with the output, then the root.
 
     `expert_mesh` (expert parallel): each MoE layer's experts, already split over the ep ranks, are
     sharded over these ranks (what ep leaves of dp_shard) as a unit of their own, before their block.
@@ -38,8 +38,24 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
             for moe in moe_modules(block):
                 fully_shard(moe.experts, reshard_after_forward=reshard, **{**kw, "mesh": expert_mesh})
         fully_shard(block, reshard_after_forward=reshard, **kw)
+    shard_ends(model, reshard_after_forward, kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
+
+
+def shard_ends(model: nn.Module, reshard_after_forward: bool, kw: dict) -> None:
+    """The embedding, and the final norm with the output layer, as FSDP units of their own (torchtitan's
+    split): left in the root, the two vocabulary-sized matrices would be gathered together, and again at
+    the start of the backward although only the output is needed there. The output is needed at once by
+    the backward: it stays gathered. Tied embeddings are one tensor: they stay in the root."""
+    emb, norm, out = (getattr(model, k, None) for k in ("tok_embeddings", "norm", "output"))
+    if emb is not None and out is not None and emb.weight is out.weight:
+        return
+    if emb is not None:
+        fully_shard(emb, reshard_after_forward=reshard_after_forward, **kw)
+    head = [m for m in (norm, out) if m is not None]
+    if head:
+        fully_shard(head, reshard_after_forward=False, **kw)
 
 
 def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
