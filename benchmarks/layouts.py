@@ -21,7 +21,7 @@ gradient buckets, the runtime's own buffers), the peak once forward/backward is 
 gradient clipping is done (which phase sets the peak), the exact bytes of this rank's
 parameters and optimizer state, and its resident pages by kind (anonymous, file-backed) at the
 baseline, once built and after each step, so a gap to the planner can be traced to a part. The
-file-backed growth ("of which file-backed" in the table, ~17-19 MiB on every layout and model) is
+file-backed growth ("of which file-backed" in the table, ~24-29 MiB on every layout of the small model) is
 the pages of torch's libraries that building and training touch for the first time: part of the
 per-process runtime (cluster.runtime_reserve_gb), which dominates the tiny model's peak.
 
