@@ -159,4 +159,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     run_rank_of_layouts(main)
-
