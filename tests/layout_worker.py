@@ -4,7 +4,8 @@
 
 Each argument after STEPS is one layout (space-separated overrides on top of tests' common ones);
 rank 0 writes {layout: {"loss": [...], "grad_norm": [...], "val": validation loss after the last
-step, "blocks": the block indices each rank's model parts hold, by rank}} to OUT.json.
+step, "blocks": the block indices each rank's model parts hold, by rank, "kernel": the attention kernel's
+class on rank 0}} to OUT.json.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def main() -> None:
         held = sorted(int(i) for part in t.parts for i in getattr(part, "module", part).layers.keys())
         blocks = [None] * de.world
         dist.all_gather_object(blocks, held)
-        return {**train_steps(t, steps), "val": t.evaluate(), "blocks": blocks}
+        part = getattr(t.parts[0], "module", t.parts[0])
+        kernel = type(next(iter(part.layers.values())).attention.kernel).__name__ if len(part.layers) else None
+        return {**train_steps(t, steps), "val": t.evaluate(), "blocks": blocks, "kernel": kernel}
 
     over_layouts(out, layouts, one)
 

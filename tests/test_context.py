@@ -164,12 +164,28 @@ def test_document_mask_on_shards_without_an_eos_id_is_refused(tmp_path):
     (["data.document_mask=true"], ["needs data.eos_id", "Fix: data.eos_id="]),
     (["data.document_positions=true"], ["needs data.document_mask=true"]),
     (["data.eos_id=256", "data.document_mask=true"], ["data.eos_id=256 is not a token", "model.vocab_size=256"]),
+    (["parallel.cp=2", "launcher.nproc=2", "parallel.cp_kernel=torch", "data.document_mask=true", "data.eos_id=255"],
+     ["parallel.cp_kernel=torch with data.document_mask=true", "takes no mask", "Fix: parallel.cp_kernel=auto"]),
 ])
 def test_bad_long_context_configs_are_refused_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as info:
         check(compose([TINY, *overrides]))
     for part in expected:
         assert part in str(info.value), (part, str(info.value))
+
+
+@pytest.mark.parametrize("device,mask,asked,runs", [
+    ("cuda", False, "auto", "torch"), ("cuda", True, "auto", "hpctrain"), ("cpu", False, "auto", "hpctrain"),
+    ("cpu", False, "torch", "torch"), ("cuda", False, "hpctrain", "hpctrain")])
+def test_torch_context_parallel_runs_where_it_covers_the_case(device, mask, asked, runs):
+    """auto takes torch's context_parallel on CUDA without a document mask (torch's kernels have no mask in
+    the ring), hpctrain's kernel otherwise; an explicit choice stands. Mutant caught: auto resolved without
+    the device or the mask."""
+    from hpctrain.core.spec import engine_spec
+
+    cfg = compose([TINY, "parallel.cp=2", "launcher.nproc=2", f"parallel.cp_kernel={asked}", f"cluster.device={device}",
+                   *(["data.document_mask=true", "data.eos_id=255"] if mask else [])])
+    assert engine_spec(cfg).cp_kernel == runs
 
 
 # ------------------------------------------------------------------------- the planner

@@ -11,8 +11,9 @@ as passing.
 - Mixture-of-Experts: the grouped GEMM in bf16 against the loop, the all-to-all dispatcher over NCCL, and
   the MoE model trained in bf16;
 - long context: the attention pairs context parallelism computes (matmul path) and the document mask on
-  CUDA against SDPA, and document-masked training in bf16 against fp32 on the CPU. (Context parallelism
-  itself needs two GPUs: NCCL refuses two ranks on one device.)
+  CUDA against SDPA, torch's context_parallel (the default CP kernel on CUDA) dispatching CUDA's SDPA
+  through its ring on a cp group of one, and document-masked training in bf16 against fp32 on the CPU.
+  (CP over two ranks needs two GPUs: NCCL refuses two ranks on one device.)
 - LoRA in bf16 (frozen base stored in bf16, fp32 adapters) under FSDP2 and under DDP's autocast, against
   fp32 on the CPU.
 """
@@ -208,6 +209,38 @@ def test_chunked_document_attention_on_cuda_equals_sdpa(dtype):
     g = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("kind", ["allgather", "ring"])
+def test_torch_context_parallel_on_cuda_equals_sdpa(kind):
+    """parallel.cp_kernel=torch (the default on CUDA without a mask): torch's context_parallel dispatch of
+    CUDA's SDPA kernels through its ring, on a cp group of one over NCCL (one GPU cannot hold two NCCL
+    ranks; the CPU suite checks cp 2 and 4 through the same ring), bf16 with grouped-query K/V, against
+    plain SDPA, forward and backward."""
+    import os
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpctrain.parallel.context_torch import TorchContextParallelAttention
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HPCTRAIN_TEST_PORT", "29534"))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(2, 8, 512, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        k, v = (torch.randn(2, 2, 512, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+                for _ in range(2))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        got = TorchContextParallelAttention(init_device_mesh("cuda", (1,)), kind)(q, k, v)
+        assert type(got) is torch.Tensor  # the local result, not a DTensor, goes on into wo
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        g = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_document_masked_training_in_bf16_tracks_fp32_on_the_cpu(tmp_path):

@@ -46,6 +46,8 @@ AUX_FREE = "model.moe.experts=4 model.moe.router=sigmoid model.moe.bias_update_r
 DOCS = "data.document_mask=true data.eos_id=255 data.synthetic_doc_len=12"
 DOCS_POS = f"{DOCS} data.document_positions=true"
 RING = "parallel.cp_attention=ring"
+# torch's context_parallel ring (the default on CUDA without a mask), its CPU kernel registered by hpctrain
+TORCH_CP = "parallel.cp_kernel=torch"
 # Fine-tuning (PEFT's LoraModel on transformers' Llama as the reference, from the same initial adapters;
 # chat data: transformers' loss on labels -100 outside the assistant's turns, documents masked).
 LORA = "model.lora.rank=4 model.lora.alpha=8"
@@ -71,6 +73,7 @@ LAYOUTS = {
         "parallel.zero=0 parallel.grad_sync=microbatch",
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS,
         DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full",
+        f"parallel.cp=2 {TORCH_CP}", f"parallel.cp=2 {TORCH_CP} {RING} parallel.ac=full",
         # LoRA: frozen base weights beside trained adapters in FSDP2's groups, DDP, TP (A replicated and B
         # split for a colwise layer, A split and B replicated for a rowwise one), PP; Hugging Face's names
         LORA, f"{LORA} parallel.tp=2 parallel.dp_shard=1", f"{LORA} parallel.tp=2 parallel.dp_shard=1 parallel.zero=0",
@@ -97,7 +100,10 @@ LAYOUTS = {
         f"parallel.cp=4 {RING}", f"parallel.cp=4 {DOCS}",
         f"parallel.cp=2 parallel.dp_shard=2 {RING}", f"parallel.cp=2 parallel.dp_shard=2 {DOCS_POS}",
         "parallel.cp=2 parallel.tp=2 parallel.dp_shard=1", f"parallel.cp=2 parallel.tp=2 parallel.dp_shard=1 {RING} {DOCS}",
-        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {RING}", f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {DOCS}"],
+        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {RING}", f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {DOCS}",
+        f"parallel.cp=4 {TORCH_CP} {RING}", f"parallel.cp=2 parallel.dp_shard=2 {TORCH_CP}",
+        f"parallel.cp=2 parallel.tp=2 parallel.dp_shard=1 {TORCH_CP} {RING}",
+        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {TORCH_CP}"],
     8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2",
         f"parallel.cp=4 parallel.dp_shard=2 {DOCS}", f"parallel.cp=4 parallel.tp=2 parallel.dp_shard=1 {RING} {DOCS_POS}",
         f"parallel.cp=4 parallel.pp=2 parallel.dp_shard=1 {DOCS}"],
@@ -188,5 +194,7 @@ def test_layout_matches_single_process(results, reference, world, layout):
     # Validation (forward only, a sampler of its own; pipeline layouts through schedule.eval) after
     # the last step, on the same validation samples as the reference.
     assert abs(got["val"] - ref["val"]) <= LOSS_TOL * max(1, ref["val"]), (got["val"], ref["val"])
+    if TORCH_CP in layout:  # torch's ring ran, not hpctrain's kernel under another name
+        assert got["kernel"] == "TorchContextParallelAttention", got["kernel"]
     if layout in UNEVEN_BLOCKS:  # the split the layout asks for is the one the ranks hold
         assert got["blocks"] == UNEVEN_BLOCKS[layout], got["blocks"]

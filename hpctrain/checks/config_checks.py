@@ -212,6 +212,10 @@ def _context_parallel(cfg: Config):
     if p.ep > 1:
         yield (f"parallel.cp={p.cp} with parallel.ep={p.ep}: context and expert parallel do not compose yet. "
                "Fix: parallel.ep=1, or parallel.cp=1")
+    if str(p.cp_kernel) == "torch" and d.document_mask:
+        yield ("parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel ring attention is "
+               "causal only and takes no mask. Fix: parallel.cp_kernel=auto (hpctrain's kernel where a mask is "
+               "on), or data.document_mask=false")
 
 
 @_check

@@ -46,6 +46,7 @@ Backend = _choice("Backend", "auto gloo nccl")
 Device = _choice("Device", "cpu cuda")
 Router = _choice("Router", "softmax sigmoid")
 CPAttention = _choice("CPAttention", "allgather ring")
+CPKernel = _choice("CPKernel", "auto torch hpctrain")
 
 
 @dataclass
@@ -222,6 +223,11 @@ class ParallelConfig:
     collective is simple to overlap); ring: they travel round the cp ranks in cp - 1 steps, each step's
     transfer overlapping the attention on the previous chunk, and no rank holds all of them (the memory
     floor for the longest sequences). The planner prices both."""
+    cp_kernel: CPKernel = CPKernel("auto")
+    """Whose attention runs across the cp ranks. torch: torch's context_parallel ring (its CUDA flash,
+    memory-efficient and cuDNN kernels; on CPU the CPU flash kernel through the same ring), causal only,
+    no document mask; hpctrain: hpctrain's chunk pairs (any device, with or without data.document_mask);
+    auto: torch on CUDA without a document mask, hpctrain otherwise."""
     sp_regather: bool = True
     """With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
     gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead

@@ -154,6 +154,7 @@ class Knobs:
     compile: bool = False
     sp_regather: bool = True  # applied with TP, uncompiled (EngineSpec.sp_regather)
     cp_attention: str = "allgather"  # allgather | ring: how K/V reach the other cp ranks
+    cp_kernel: str = "auto"  # auto | torch | hpctrain: whose attention runs across them (EngineSpec.cp_kernel)
     document_mask: bool = False  # no attention across the documents packed in a sequence
 
 
@@ -217,6 +218,14 @@ class EngineSpec:
     @property
     def cp_attention(self) -> str:
         return str(self.knobs.cp_attention)
+
+    @property
+    def cp_kernel(self) -> str:
+        """torch's context_parallel where it covers the case (CUDA, no document mask), else hpctrain's."""
+        k = str(self.knobs.cp_kernel)
+        if k == "auto":
+            return "torch" if self.device == "cuda" and not self.knobs.document_mask else "hpctrain"
+        return k
 
     @property
     def ac_every(self) -> int:
@@ -540,7 +549,8 @@ def knobs_of(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple
                  pp_layers=tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers),
                  offload=str(cfg.offload.target), master_on_nvme=bool(cfg.offload.master_on_nvme),
                  grad_sync=str(p.grad_sync), compile=bool(t.compile), sp_regather=bool(p.sp_regather),
-                 cp_attention=str(p.cp_attention), document_mask=bool(cfg.data.document_mask))
+                 cp_attention=str(p.cp_attention), cp_kernel=str(p.cp_kernel),
+                 document_mask=bool(cfg.data.document_mask))
 
 
 def placement_of(cfg: Config, world: int) -> tuple[int, int]:

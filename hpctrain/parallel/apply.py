@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
         if spec.layout.ep > 1:
             apply_ep(part, meshes.ep, meshes.world[("ep", "tp")] if spec.layout.tp > 1 else None)
         if spec.layout.cp > 1:
-            apply_cp(part, meshes.cp, spec.cp_attention)
+            apply_cp(part, meshes.cp, spec.cp_attention, spec.cp_kernel)
         if spec.lora:  # after TP: the adapters are split as their layer is
             apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
             if spec.dtypes.compute != "float32":  # frozen: no fp32 copy needed, computed in bf16 anyway

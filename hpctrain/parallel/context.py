@@ -12,7 +12,7 @@ Attention gets K and V of the other chunks in one of two ways (parallel.cp_atten
   on the chunks at hand; in backward they go round again with their gradients, which arrive back home
   after the last step (Liu et al. 2023, "Ring Attention").
 Both merge the partial results by log-sum-exp (hpctrain.models.attention). The model knows nothing of
-this: `apply_cp` swaps each attention's kernel.
+this: `apply_cp` swaps each attention's kernel, for this one or torch's own (context_torch).
 """
 from __future__ import annotations
 
@@ -194,8 +194,13 @@ def _source_docs(all_docs: Optional[torch.Tensor], src: int, size: int) -> list:
     return list(all_docs.chunk(size, 1)[src].chunk(2, 1))
 
 
-def apply_cp(model: nn.Module, cp_mesh, kind: str) -> None:
-    """Every attention of `model` computes across the cp ranks."""
-    kernel = ContextParallelAttention(cp_mesh.get_group(), kind)
+def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain") -> None:
+    """Every attention of `model` computes across the cp ranks, by hpctrain's kernel (any mask, any device)
+    or torch's (`kernel="torch"`: causal only; hpctrain.parallel.context_torch)."""
+    if kernel == "torch":
+        from hpctrain.parallel.context_torch import TorchContextParallelAttention
+        kernel = TorchContextParallelAttention(cp_mesh, kind)
+    else:
+        kernel = ContextParallelAttention(cp_mesh.get_group(), kind)
     for block in model.layers.values():
         block.attention.kernel = kernel
