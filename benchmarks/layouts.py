@@ -103,11 +103,16 @@ MOE_LAYOUTS = {
 DENSE_LAYOUTS = list(LAYOUTS)
 LAYOUTS.update(MOE_LAYOUTS)
 # Long context (measured when named): one sequence per step, split over cp 1, 2 and 4 ranks (FSDP2 over
-# them), 8K to 64K tokens, K/V all-gathered; "_ring" passes them round instead. With --models tiny.
+# them), 8K to 64K tokens, K/V all-gathered; "_ring" passes them round instead, "_torch" runs torch's
+# context_parallel instead of hpctrain's kernel. With --models tiny.
 LONG = ["parallel=fsdp", "parallel.zero=3", "train.global_batch=1", "train.micro_batch=1"]
 LONG_LAYOUTS = {f"cp{c}_{k}k{'_ring' if ring else ''}": (c, [*LONG, f"data.seq_len={k * 1024}", f"parallel.cp={c}",
                                                            *(["parallel.cp_attention=ring"] if ring else [])])
                 for k in (8, 16, 32, 64) for c in (1, 2, 4) for ring in (False, True) if not (ring and c == 1)}
+LAYOUTS.update(LONG_LAYOUTS)
+# ... and through torch's context_parallel ring (parallel.cp_kernel=torch, CPU kernel registered by hpctrain)
+LONG_LAYOUTS.update({f"{name}_torch": (c, [*o, "parallel.cp_kernel=torch"]) for name, (c, o) in list(LONG_LAYOUTS.items())
+                     if c > 1})
 LAYOUTS.update(LONG_LAYOUTS)
 # LoRA (measured when named): rank-16 adapters on every linear of a block, the base frozen, under each engine.
 LORA = ["model.lora.rank=16", "model.lora.alpha=32"]
