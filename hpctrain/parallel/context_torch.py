@@ -31,19 +31,25 @@ from torch.distributed.tensor.experimental._attention import (
 )
 from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_cp
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _aten = torch.ops.aten
 _CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2  # (batch, heads, seq, head_dim); torch's ring assumes it
 ROTATION = {"allgather": "allgather", "ring": "alltoall"}  # parallel.cp_attention -> torch's rotate method
+# The kernels the ring has handlers for. SDPA's math fallback would run on the DTensors as plain ops: the
+# causal mask applied to the local chunks as if they were the whole sequence. Better an error (torchtitan
+# restricts SDPA the same way under CP).
+RING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
 
 class _SDPA(nn.Module):
     """The causal attention torch's CP wraps: q (batch, heads, seq, dim), k/v with the same or fewer heads."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        with sdpa_kernel(RING_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _local(op_call, args, kwargs):
