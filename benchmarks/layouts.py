@@ -92,13 +92,14 @@ LAYOUTS = {  # name: (ranks, overrides on top of COMMON)
     "pp2_uneven": (2, ["parallel=ddp", "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_layers=[3,5]"]),
 }
 # Mixture-of-Experts layouts (the model made MoE: 8 experts of width 512, 2 a token, in every block),
-# measured when named with --layouts: FSDP2 alone, and expert parallel over 2 and 4 ranks.
+# measured when named with --layouts: FSDP2 alone, expert parallel over 2 and 4 ranks, and ep 2 x cp 2.
 MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.ffn_dim=512", "parallel=fsdp", "parallel.zero=3"]
 MOE_LAYOUTS = {
     "moe_zero3": (2, MOE),
     "moe_ep2": (2, [*MOE, "parallel.ep=2"]),
     "moe_ep2_dp2": (4, [*MOE, "parallel.ep=2", "train.global_batch=8"]),
     "moe_ep4": (4, [*MOE, "parallel.ep=4", "train.global_batch=8"]),
+    "moe_ep2_cp2": (4, [*MOE, "parallel.ep=2", "parallel.cp=2"]),  # the experts sharded over the cp ranks
 }
 DENSE_LAYOUTS = list(LAYOUTS)
 LAYOUTS.update(MOE_LAYOUTS)
@@ -132,6 +133,7 @@ DESCRIBE = {"ddp": "DDP (zero 0), dp 2", "zero1": "ZeRO-1 (ZeroRedundancyOptimiz
             "zero3_pp2_dp2": "ZeRO-3 (FSDP2) x PP 2, dp 2, 4 ranks", "pp2_uneven": "PP 2, 1f1b, blocks 3 + 5",
             "moe_zero3": "MoE 8 experts, ZeRO-3 (FSDP2), dp 2", "moe_ep2": "MoE, EP 2 (ZeRO-3), dp 2",
             "moe_ep2_dp2": "MoE, EP 2 x expert FSDP 2, dp 4", "moe_ep4": "MoE, EP 4, dp 4",
+            "moe_ep2_cp2": "MoE, EP 2 x CP 2 (experts FSDP over cp), dp 2",
             "lora_ddp": "LoRA r16, DDP, dp 2", "lora_zero1": "LoRA r16, ZeRO-1, dp 2", "lora_zero2": "LoRA r16, ZeRO-2, dp 2",
             "lora_zero3": "LoRA r16, ZeRO-3 (FSDP2), dp 2", "lora_tp2": "LoRA r16, TP 2", "lora_pp2": "LoRA r16, PP 2, 1f1b"}
 

@@ -158,8 +158,6 @@ def test_document_mask_on_shards_without_an_eos_id_is_refused(tmp_path):
     (["parallel.cp=2", "launcher.nproc=2", "data.seq_len=30"], ["data.seq_len=30 is not divisible by 2 x parallel.cp=4",
                                                                  "Fix: data.seq_len=32"]),
     (["parallel.cp=0"], ["parallel.cp=0 must be at least 1"]),
-    (["parallel.cp=2", "launcher.nproc=2", "model=moe_tiny", "parallel.ep=2"],
-     ["parallel.cp=2 with parallel.ep=2", "do not compose"]),
     (["parallel.cp=4", "launcher.nproc=2"], ["parallel.cp=4", "does not divide the 2 ranks"]),
     (["data.document_mask=true"], ["needs data.eos_id", "Fix: data.eos_id="]),
     (["data.document_positions=true"], ["needs data.document_mask=true"]),
@@ -246,3 +244,23 @@ def test_planner_prices_cp_traffic_and_the_masked_attention():
     assert attention_kept(replace(masked, doc_len=0)) == 1.0 and attention_kept(job.with_(seq_len=s)) == 1.0
     plain = throughput(job).breakdown["compute"]
     assert throughput(masked).breakdown["compute"] < 0.8 * plain
+
+
+def test_auto_searches_expert_with_context_parallel_and_the_experts_shard_over_cp():
+    """Mixtral 8x7B at 32K tokens: parallel=auto tries ep with cp, and in such a layout the cp ranks join the
+    experts' sharding (hpctrain.distributed.mesh: FSDP2 over efsdp x cp), so ZeRO-3's expert state per rank
+    falls by cp at the same ep. Mutants caught: the search keeping ep at 1 under cp; the experts' ZeRO group
+    without the cp ranks."""
+    from dataclasses import replace
+
+    from hpctrain.plan.memory import job_of, memory
+    from hpctrain.plan.search import Space, jobs
+
+    def model_state_bytes(j) -> float:
+        return sum(memory(j).device.get(k, 0.0) for k in ("params", "grads", "master", "moments"))
+
+    job = job_of(compose(["+experiment=mixtral_8x7b", "data.seq_len=32768", "parallel.zero=3"]))
+    assert any(j.knobs.layout.ep > 1 and j.knobs.layout.cp > 1 for j in jobs(job, Space(acs=("full",), micro_batches=(1,))))
+    lay = job.knobs.layout  # dp_shard 64, ep 8
+    with_cp = job.with_(layout=replace(lay, dp_shard=lay.dp_shard // 2, cp=2))
+    assert model_state_bytes(with_cp) == pytest.approx(model_state_bytes(job))

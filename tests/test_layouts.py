@@ -74,6 +74,8 @@ LAYOUTS = {
         *(f"parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule={s}" for s in SCHEDULES), *UNEVEN_BLOCKS,
         DOCS, "parallel.cp=2", f"parallel.cp=2 {RING} {DOCS}", f"parallel.cp=2 {DOCS_POS} parallel.ac=full",
         f"parallel.cp=2 {TORCH_CP}", f"parallel.cp=2 {TORCH_CP} {RING} parallel.ac=full",
+        # MoE over cp ranks: the balancing losses are the whole sequence's (counted over the cp ranks)
+        f"{MOE} parallel.cp=2",
         # LoRA: frozen base weights beside trained adapters in FSDP2's groups, DDP, TP (A replicated and B
         # split for a colwise layer, A split and B replicated for a rowwise one), PP; Hugging Face's names
         LORA, f"{LORA} parallel.tp=2 parallel.dp_shard=1", f"{LORA} parallel.tp=2 parallel.dp_shard=1 parallel.zero=0",
@@ -103,10 +105,14 @@ LAYOUTS = {
         f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {RING}", f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {DOCS}",
         f"parallel.cp=4 {TORCH_CP} {RING}", f"parallel.cp=2 parallel.dp_shard=2 {TORCH_CP}",
         f"parallel.cp=2 parallel.tp=2 parallel.dp_shard=1 {TORCH_CP} {RING}",
-        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {TORCH_CP}"],
+        f"parallel.cp=2 parallel.pp=2 parallel.dp_shard=1 {TORCH_CP}",
+        # context x expert parallel: experts sharded over efsdp x cp, slots counted over cp (x tp)
+        f"{MOE} parallel.ep=2 parallel.cp=2", f"{AUX_FREE} parallel.ep=2 parallel.cp=2 {RING}",
+        f"{QWEN3_MOE} parallel.cp=2 parallel.tp=2 parallel.dp_shard=1"],
     8: ["parallel.dp_shard=2 parallel.tp=2 parallel.pp=2",
         f"parallel.cp=4 parallel.dp_shard=2 {DOCS}", f"parallel.cp=4 parallel.tp=2 parallel.dp_shard=1 {RING} {DOCS_POS}",
-        f"parallel.cp=4 parallel.pp=2 parallel.dp_shard=1 {DOCS}"],
+        f"parallel.cp=4 parallel.pp=2 parallel.dp_shard=1 {DOCS}",
+        f"{MOE} parallel.ep=2 parallel.cp=2 parallel.tp=2 parallel.dp_shard=2"],
 }
 
 

@@ -209,9 +209,6 @@ def _context_parallel(cfg: Config):
         yield (f"data.seq_len={d.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp}: each cp rank holds two "
                f"equal chunks of every sequence. Fix: data.seq_len={(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}, or "
                f"parallel.cp among {[c for c in _divisors(d.seq_len // 2)][:8]}")
-    if p.ep > 1:
-        yield (f"parallel.cp={p.cp} with parallel.ep={p.ep}: context and expert parallel do not compose yet. "
-               "Fix: parallel.ep=1, or parallel.cp=1")
     if str(p.cp_kernel) == "torch" and d.document_mask:
         yield ("parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel ring attention is "
                "causal only and takes no mask. Fix: parallel.cp_kernel=auto (hpctrain's kernel where a mask is "

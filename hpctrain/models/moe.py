@@ -189,9 +189,9 @@ def balance_losses(logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tens
     """(Switch load-balancing loss, router z-loss) of one micro-batch's tokens, unscaled: experts x
     sum_e f_e P_e, f_e = routed slots of expert e per token (summing to top_k) and P_e = its mean
     probability (transformers' load_balancing_loss_func for one layer); mean of logsumexp(logits)^2.
-    `tokens` (tensor parallel): the micro-batch's tokens over every TP rank, of which `logits` and
-    `probs` are this rank's share and `counts` the whole's; the results are then this rank's parts of
-    the losses, which sum over the TP ranks to the whole micro-batch's."""
+    `tokens` (tensor or context parallel): the micro-batch's tokens over every rank that splits them, of
+    which `logits` and `probs` are this rank's share and `counts` the whole's; the results are then this
+    rank's parts of the losses, which sum over those ranks to the whole micro-batch's."""
     tokens = max(1, tokens or logits.shape[0])
     f = counts.float() / tokens
     aux = probs.shape[-1] * (f * probs.sum(0) / tokens).sum()
@@ -213,9 +213,10 @@ class MoE(nn.Module):
         self.shared = FeedForward(a, e.shared_experts * expert_ffn(a)) if e.shared_experts else None
         # hpctrain.parallel.expert sets it: tokens then travel to the rank holding their expert.
         self.dispatcher = None
-        # hpctrain.parallel.tensor sets it: each TP rank routes its share of the sequence, and the
-        # balancing losses count the routed slots of the whole.
-        self.tp_group = None
+        # The ranks that split each micro-batch's tokens (tensor parallel's sequence shares, context
+        # parallel's chunks; hpctrain.parallel.apply sets it): each routes its share, and the balancing
+        # losses count the routed slots of the whole.
+        self.token_group = None
         # The weight of one micro-batch in the step's loss (1 / micro-batches; 1 under pipelining,
         # whose schedule scales the gradients itself): what the balancing losses' gradient is scaled by.
         self.aux_scale = 1.0
@@ -242,10 +243,10 @@ class MoE(nn.Module):
             w1, w2, w3 = _local(s.w1.weight), _local(s.w2.weight), _local(s.w3.weight)
             out = out + F.linear(swiglu(F.linear(x, w1), F.linear(x, w3)), w2)
         counts, tokens = routing.routed, x.shape[0]
-        if self.tp_group is not None:
+        if self.token_group is not None:
             counts = counts.clone()
-            dist.all_reduce(counts, group=self.tp_group)
-            tokens *= dist.get_world_size(self.tp_group)
+            dist.all_reduce(counts, group=self.token_group)
+            tokens *= dist.get_world_size(self.token_group)
         aux, z = balance_losses(logits, probs, counts, tokens)
         if self.training and torch.is_grad_enabled():
             loss = self.aux_coef * aux + self.z_coef * z
@@ -253,8 +254,8 @@ class MoE(nn.Module):
                 out = _AuxGrad.apply(out, loss, self.aux_scale)
         if self.training:
             losses = torch.stack([aux.detach(), z.detach()])
-            if self.tp_group is not None:
-                dist.all_reduce(losses, group=self.tp_group)  # the parts of the whole micro-batch's
+            if self.token_group is not None:
+                dist.all_reduce(losses, group=self.token_group)  # the parts of the whole micro-batch's
             self.stats.record(counts, losses[0], losses[1], routing.dropped)
         return out.reshape(shape)
 

@@ -52,6 +52,10 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
     else:
         ids, parts = [0], [model]
 
+    # The ranks that split each micro-batch's tokens, over which MoE layers count the routed slots
+    token_mesh = None
+    if spec.layout.cp > 1:
+        token_mesh = meshes.world[("cp", "tp")]._flatten("cp_tp") if spec.layout.tp > 1 else meshes.cp
     out = []
     for part in parts:
         if spec.layout.tp > 1:
@@ -59,7 +63,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
         if spec.layout.ep > 1:
             apply_ep(part, meshes.ep, meshes.world[("ep", "tp")] if spec.layout.tp > 1 else None)
         if spec.layout.cp > 1:
-            apply_cp(part, meshes.cp, spec.cp_attention, spec.cp_kernel)
+            apply_cp(part, meshes.cp, spec.cp_attention, spec.cp_kernel, token_mesh)
         if spec.lora:  # after TP: the adapters are split as their layer is
             apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
             if spec.dtypes.compute != "float32":  # frozen: no fp32 copy needed, computed in bf16 anyway

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.models.attention import chunk_backward, chunk_forward, merge, pair, pair_backward, pair_forward
+from hpctrain.models.moe import moe_modules
 
 
 def chunk_ids(rank: int, cp: int) -> list[int]:
@@ -194,9 +195,11 @@ def _source_docs(all_docs: Optional[torch.Tensor], src: int, size: int) -> list:
     return list(all_docs.chunk(size, 1)[src].chunk(2, 1))
 
 
-def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain") -> None:
+def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain", token_mesh=None) -> None:
     """Every attention of `model` computes across the cp ranks, by hpctrain's kernel (any mask, any device)
-    or torch's (`kernel="torch"`: causal only; hpctrain.parallel.context_torch)."""
+    or torch's (`kernel="torch"`: causal only; hpctrain.parallel.context_torch). Every MoE layer counts
+    its routed slots over `token_mesh` (the cp ranks, x tp with tensor parallel): the balancing losses
+    are the whole sequence's, as on one rank."""
     if kernel == "torch":
         from hpctrain.parallel.context_torch import TorchContextParallelAttention
         kernel = TorchContextParallelAttention(cp_mesh, kind)
@@ -204,3 +207,5 @@ def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain") -> 
         kernel = ContextParallelAttention(cp_mesh.get_group(), kind)
     for block in model.layers.values():
         block.attention.kernel = kernel
+    for moe in moe_modules(model):
+        moe.token_group = (cp_mesh if token_mesh is None else token_mesh).get_group()

@@ -54,7 +54,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
         parallelize_module(block, tp_mesh, plan)
         if hasattr(block, "moe"):
             replicate_params(block.moe, tp_mesh)
-            block.moe.tp_group = tp_mesh.get_group()
+            block.moe.token_group = tp_mesh.get_group()
         if block.attention.q_norm is not None:  # QK-norm weights, applied to each rank's own heads
             replicate_params(block.attention.q_norm, tp_mesh)
             replicate_params(block.attention.k_norm, tp_mesh)

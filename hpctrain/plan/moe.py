@@ -37,14 +37,15 @@ def folded(job) -> bool:
 
 
 def expert_zero_group(job) -> int:
-    """Ranks each expert's weights are sharded over by ZeRO: what ep leaves of dp_shard (efsdp), or of
-    tp x dp under folding."""
+    """Ranks each expert's weights are sharded over by ZeRO: what ep leaves of dp_shard (efsdp) times the
+    cp ranks (hpctrain.distributed.mesh), or what it leaves of tp x dp x cp under folding (Megatron-Core:
+    ep x etp x edp = tp x cp x dp)."""
     lay = job.knobs.layout
     if lay.ep <= 1:
         return job.zero_group
     if folded(job):
-        return max(1, lay.tp * lay.dp_shard // (lay.ep * job.expert_tp))
-    return max(1, lay.dp_shard // lay.ep)
+        return max(1, lay.tp * lay.dp_shard * lay.cp // (lay.ep * job.expert_tp))
+    return max(1, lay.dp_shard // lay.ep * lay.cp)
 
 
 def expert_params(job, stage: int) -> float:

@@ -97,9 +97,8 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
     for key in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(m, key) % lay.tp:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
-    if lay.cp > 1 and (job.knobs.seq_len % (2 * lay.cp) or lay.ep > 1):
-        out.append(("cp", f"parallel.cp={lay.cp} needs data.seq_len={job.knobs.seq_len} divisible by {2 * lay.cp} "
-                          "and no expert parallel"))
+    if lay.cp > 1 and job.knobs.seq_len % (2 * lay.cp):
+        out.append(("cp", f"parallel.cp={lay.cp} needs data.seq_len={job.knobs.seq_len} divisible by {2 * lay.cp}"))
     if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
         out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
                           f"and model.moe.experts={m.moe.experts}"))
@@ -162,9 +161,9 @@ def layouts(cluster: ClusterConfig, world: int, space: Space) -> Iterator[tuple[
                     for rep in divisors(dp):
                         shard = dp // rep
                         if rep == 1 or (zero == 3 and (shard * cp * tp) % rpn == 0):
-                            # expert parallel: a split of dp_shard into whole experts (FSDP2 only, no cp)
+                            # expert parallel: a split of dp_shard into whole experts (FSDP2 only)
                             eps = [e for e in divisors(shard) if space.experts % e == 0] \
-                                if space.experts and zero >= 2 and cp == 1 else [1]
+                                if space.experts and zero >= 2 else [1]
                             for ep in eps:
                                 yield Layout(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, cp=cp), zero
 

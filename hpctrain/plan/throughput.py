@@ -230,9 +230,11 @@ def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collectiv
         size, stride = expert_zero_group(job), lay.tp * lay.ep if not folded(job) else lay.ep * job.expert_tp
     else:
         # mesh (pp, dp_replicate, dp_shard, cp, tp): the cp ranks share the parameter sharding and the
-        # gradient reduction with dp_shard (hpctrain.distributed.mesh)
+        # gradient reduction with dp_shard (hpctrain.distributed.mesh); with expert parallel dp_shard is
+        # (efsdp, ep) and the cp ranks sit between them, ep x tp apart
         cp = lay.cp
-        size, stride = {"tp": (lay.tp, 1), "cp": (cp, lay.tp), "dp_shard": (lay.dp_shard * cp, lay.tp),
+        cp_stride = lay.tp * lay.ep if lay.ep > 1 and not folded(job) else lay.tp
+        size, stride = {"tp": (lay.tp, 1), "cp": (cp, cp_stride), "dp_shard": (lay.dp_shard * cp, lay.tp),
                         "dp": (lay.dp * cp, lay.tp), "dp_replicate": (lay.dp_replicate, lay.tp * lay.dp_shard * cp),
                         "pp": (2, lay.tp * lay.dp * cp)}[dim]
     bw, lat, nodes = link(job.cluster, size, stride)

@@ -100,7 +100,9 @@ class Trainer:
         self.routers = RouterStats(self.parts, cfg.model.moe.experts, cfg.model.moe.bias_update_rate,
                                    self.dp_mesh.get_group(), self.pp_group, device)
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
-        self.routers.set_aux_scale(1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches)
+        # Each cp rank's balancing losses are its part of the sequence's, and the gradients are averaged
+        # over the cp ranks (which are data-parallel ranks for them): x cp makes the sum the whole's.
+        self.routers.set_aux_scale((1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches) * self.spec.layout.cp)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
         eos = eos_id(cfg)
         if cfg.data.document_mask and eos is None:  # the login node refuses this; a rank must not mask nothing
