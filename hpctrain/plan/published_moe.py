@@ -77,7 +77,8 @@ def unusable(r: dict) -> str:
     if r["gpu"] not in GPUS:
         return f"no cluster preset for {r['gpu']}"
     if _int(r["cp"], 1) > 1:
-        return "context parallel (not modelled)"
+        return ("context parallel: not in the split fixed before fitting (the planner priced CP x EP only "
+                "later; those rows priced by hand in docs/moe.md)")
     if "should be around" in r["notes"] or "NOT a measurement" in r["notes"]:
         return "an expected figure in a script comment, not a measurement"
     if not r["model_tflops_per_gpu"]:
