@@ -185,8 +185,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's experts are split over ep of
     the dp_shard ranks, tokens travel to their experts' rank and back by all-to-all; the rest of
-    dp_shard (dp_shard / ep ranks) shards each expert's weights as FSDP does. Divides dp_shard and
-    model.moe.experts; needs parallel.zero=2 or 3."""
+    dp_shard (dp_shard / ep ranks, x cp with context parallel) shards each expert's weights as FSDP
+    does. Divides dp_shard and model.moe.experts; needs parallel.zero=2 or 3."""
     zero: int = 3
     """ZeRO stage: 0 = DDP (replicated), 1 = optimizer state sharded, 2 = gradients and optimizer
     state sharded, 3 = FSDP2 (parameters, gradients and optimizer state sharded)."""
