@@ -164,6 +164,8 @@ def test_document_mask_on_shards_without_an_eos_id_is_refused(tmp_path):
     (["data.eos_id=256", "data.document_mask=true"], ["data.eos_id=256 is not a token", "model.vocab_size=256"]),
     (["parallel.cp=2", "launcher.nproc=2", "parallel.cp_kernel=torch", "data.document_mask=true", "data.eos_id=255"],
      ["parallel.cp_kernel=torch with data.document_mask=true", "takes no mask", "Fix: parallel.cp_kernel=auto"]),
+    (["parallel.cp=2", "launcher.nproc=2", "parallel.cp_kernel=torch", "cluster.device=cuda", "train.precision=fp32"],
+     ["parallel.cp_kernel=torch with train.precision=fp32 and grouped-query attention", "Fix: train.precision=bf16"]),
 ])
 def test_bad_long_context_configs_are_refused_with_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as info:
@@ -172,17 +174,19 @@ def test_bad_long_context_configs_are_refused_with_the_fix(overrides, expected):
         assert part in str(info.value), (part, str(info.value))
 
 
-@pytest.mark.parametrize("device,mask,asked,runs", [
-    ("cuda", False, "auto", "torch"), ("cuda", True, "auto", "hpctrain"), ("cpu", False, "auto", "hpctrain"),
-    ("cpu", False, "torch", "torch"), ("cuda", False, "hpctrain", "hpctrain")])
-def test_torch_context_parallel_runs_where_it_covers_the_case(device, mask, asked, runs):
+@pytest.mark.parametrize("device,mask,precision,asked,runs", [
+    ("cuda", False, "bf16", "auto", "torch"), ("cuda", True, "bf16", "auto", "hpctrain"),
+    ("cuda", False, "fp32", "auto", "hpctrain"), ("cpu", False, "bf16", "auto", "hpctrain"),
+    ("cpu", False, "fp32", "torch", "torch"), ("cuda", False, "bf16", "hpctrain", "hpctrain")])
+def test_torch_context_parallel_runs_where_it_covers_the_case(device, mask, precision, asked, runs):
     """auto takes torch's context_parallel on CUDA without a document mask (torch's kernels have no mask in
-    the ring), hpctrain's kernel otherwise; an explicit choice stands. Mutant caught: auto resolved without
-    the device or the mask."""
+    the ring) and in bf16 (with grouped K/V only CUDA's 16-bit flash kernel serves the ring), hpctrain's
+    kernel otherwise; an explicit choice stands. Mutant caught: auto resolved without the device, the mask
+    or the precision."""
     from hpctrain.core.spec import engine_spec
 
     cfg = compose([TINY, "parallel.cp=2", "launcher.nproc=2", f"parallel.cp_kernel={asked}", f"cluster.device={device}",
-                   *(["data.document_mask=true", "data.eos_id=255"] if mask else [])])
+                   f"train.precision={precision}", *(["data.document_mask=true", "data.eos_id=255"] if mask else [])])
     assert engine_spec(cfg).cp_kernel == runs
 
 

@@ -223,7 +223,7 @@ def test_torch_context_parallel_on_cuda_equals_sdpa(kind):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpctrain.parallel.context_torch import TorchContextParallelAttention
+    from hpctrain.parallel.context_torch import TorchContextParallelAttention, disable
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HPCTRAIN_TEST_PORT", "29534"))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
@@ -240,6 +240,7 @@ def test_torch_context_parallel_on_cuda_equals_sdpa(kind):
         for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     finally:
+        disable()  # later tests in this process get DTensor's SDPA dispatch as it was
         dist.destroy_process_group()
 
 

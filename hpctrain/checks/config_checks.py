@@ -209,6 +209,13 @@ def _context_parallel(cfg: Config):
         yield (f"data.seq_len={d.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp}: each cp rank holds two "
                f"equal chunks of every sequence. Fix: data.seq_len={(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}, or "
                f"parallel.cp among {[c for c in _divisors(d.seq_len // 2)][:8]}")
+    m = cfg.model
+    gqa = bool(m.n_kv_heads) and m.n_kv_heads != m.n_heads
+    if str(p.cp_kernel) == "torch" and str(cfg.cluster.device) == "cuda" and str(cfg.train.precision) != "bf16" and gqa:
+        yield (f"parallel.cp_kernel=torch with train.precision={cfg.train.precision} and grouped-query attention "
+               f"(model.n_kv_heads={m.n_kv_heads} < n_heads={m.n_heads}): of the CUDA kernels torch's ring runs, only "
+               "flash takes fewer K/V heads, and it computes in 16 bits. Fix: train.precision=bf16, or "
+               "parallel.cp_kernel=auto (hpctrain's kernel then)")
     if str(p.cp_kernel) == "torch" and d.document_mask:
         yield ("parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel ring attention is "
                "causal only and takes no mask. Fix: parallel.cp_kernel=auto (hpctrain's kernel where a mask is "

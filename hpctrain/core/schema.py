@@ -227,7 +227,7 @@ class ParallelConfig:
     """Whose attention runs across the cp ranks. torch: torch's context_parallel ring (its CUDA flash,
     memory-efficient and cuDNN kernels; on CPU the CPU flash kernel through the same ring), causal only,
     no document mask; hpctrain: hpctrain's chunk pairs (any device, with or without data.document_mask);
-    auto: torch on CUDA without a document mask, hpctrain otherwise."""
+    auto: torch on CUDA in bf16 without a document mask, hpctrain otherwise."""
     sp_regather: bool = True
     """With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
     gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead

@@ -221,10 +221,12 @@ class EngineSpec:
 
     @property
     def cp_kernel(self) -> str:
-        """torch's context_parallel where it covers the case (CUDA, no document mask), else hpctrain's."""
+        """torch's context_parallel where it covers the case, else hpctrain's: CUDA, no document mask, and
+        bf16 (with grouped-query K/V only CUDA's flash kernel, a 16-bit one, serves torch's ring)."""
         k = str(self.knobs.cp_kernel)
         if k == "auto":
-            return "torch" if self.device == "cuda" and not self.knobs.document_mask else "hpctrain"
+            covered = self.device == "cuda" and not self.knobs.document_mask and self.knobs.precision == "bf16"
+            return "torch" if covered else "hpctrain"
         return k
 
     @property

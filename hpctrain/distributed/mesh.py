@@ -6,7 +6,7 @@ experts' DTensor mesh and the mesh FSDP shards them over must come from one root
 then the flattened pair, so the dense parameters, data order and everything else see the same
 ranks in the same order as without expert parallel. With context parallel the cp ranks join the
 experts' sharding as they join the dense parameters' (efsdp x cp): they hold the same experts and
-read the same samples.
+read the same samples, and sit ep x tp ranks apart (tp without expert parallel).
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental._attention import (
     _ContextParallel,
+    _disable_context_parallel_dispatcher,
     _enable_context_parallel_dispatcher,
     set_rotate_method,
 )
@@ -93,6 +94,13 @@ def _enable(kind: str) -> None:
     # Our data layout is torch's head-tail one; its ring must know the chunks are paired.
     _torch_cp._cp_options.enable_load_balance = True
     set_rotate_method(ROTATION[kind])
+
+
+def disable() -> None:
+    """Undo `_enable` for this process: DTensor's SDPA ops dispatch as before (torch's CP handlers and ours
+    gone). The dispatcher and the rotation are per process, not per kernel: a training process keeps them
+    to its end; a process that goes on with other DTensor attention calls this."""
+    _disable_context_parallel_dispatcher()
 
 
 class TorchContextParallelAttention:
