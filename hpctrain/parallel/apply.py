@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hpctrain.models.lora import apply_lora, store_frozen_as
+from hpctrain.models.moe import moe_modules
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
@@ -54,7 +55,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
 
     # The ranks that split each micro-batch's tokens, over which MoE layers count the routed slots
     token_mesh = None
-    if spec.layout.cp > 1:
+    if spec.layout.cp > 1 and moe_modules(model):
         token_mesh = meshes.world[("cp", "tp")]._flatten("cp_tp") if spec.layout.tp > 1 else meshes.cp
     out = []
     for part in parts:
