@@ -182,6 +182,9 @@ def test_router_stats_count_a_recomputed_forward_once():
     (["model.moe.experts=4", "parallel.ep=2", "parallel.zero=1"], "Fix: parallel.zero=2 or 3"),
     (["model.moe.experts=4", "parallel.ep=4"], "parallel.ep=4 does not divide parallel.dp_shard=2"),
     (["model.moe.experts=4", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor=-1.0 must be"),
+    (["model.moe.experts=4", "model.moe.imbalance=0.5"], "model.moe.imbalance=0.5 must be between 1 (an even split)"),
+    (["model.moe.experts=4", "model.moe.top_k=2", "model.moe.imbalance=3"], "and experts / top_k = 2 (one expert"),
+    (["model.moe.experts=4", "model.moe.imbalance=nan"], "model.moe.imbalance=nan must be between"),
 ])
 def test_bad_moe_configs_are_refused_on_the_login_node(overrides, says):
     from hpctrain.checks.config_checks import problems

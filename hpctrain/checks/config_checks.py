@@ -321,6 +321,12 @@ def _moe(cfg: Config):
             yield f"model.moe.{key}={v} must be a finite number, 0 or more (0: off)"
     if not 0 < e.route_scale < float("inf"):
         yield f"model.moe.route_scale={e.route_scale} must be a finite number above 0"
+    # the busiest rank's (or expert's) routed tokens over an even share: at least 1, and at most
+    # experts / top_k (one expert taking every token)
+    most = e.experts / max(1, e.top_k)
+    if not 1 <= e.imbalance <= most:
+        yield (f"model.moe.imbalance={e.imbalance} must be between 1 (an even split) and experts / top_k = "
+               f"{most:g} (one expert takes every token). Fix: a run's expert_share_max, or 1.0")
 
 
 @_check

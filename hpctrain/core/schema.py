@@ -92,8 +92,9 @@ class MoEConfig:
     """Compute the experts as one grouped GEMM (torch._grouped_mm); false = a loop over experts (the
     reference). Falls back to the loop where the shapes are not 16-byte aligned."""
     imbalance: float = 1.0
-    """Planner: the busiest expert-parallel rank's routed tokens over the mean (1.0 = even). A run's
-    metrics give it: expert_share_max is the busiest expert's share relative to an even split."""
+    """Planner: the busiest expert-parallel rank's routed tokens over the mean, from 1.0 (even) to
+    experts / top_k (one expert takes every token). A run's metrics give it: expert_share_max is the
+    busiest expert's share relative to an even split."""
 
 
 @dataclass
