@@ -100,7 +100,9 @@ def model_of(r: dict) -> ModelConfig:
 
 def _recompute(r: dict) -> str:
     """Megatron's recompute as the planner's: full is full; its selective recompute of norms and
-    activations (or of layernorm and MoE) reruns a fraction of a block, priced as none."""
+    activations reruns a small fraction of a block, priced as none. The 16K rows' `layernorm, moe`
+    reruns each MoE layer's forward, which the planner (whole blocks or nothing) cannot express: also
+    priced as none (docs/moe.md gives what pricing it would change)."""
     return "full" if r["recompute"].strip() == "full" else "none"
 
 
