@@ -81,14 +81,17 @@ def test_model_group_option():
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads) == (8192, 80, 64, 8)
 
 
-@pytest.mark.parametrize("group,plus,near", [("model", "", "70b"), ("experiment", "+", "70b")])
-def test_an_unknown_preset_lists_the_presets(group, plus, near):
-    """Mutant: Hydra's raw "In 'config': Could not find 'model/7b'" with its search path."""
+@pytest.mark.parametrize("group,plus,name,near", [("model", "", "7b", "70b"), ("experiment", "+", "7b", "70b"),
+                                                  ("model", "", "tiny_moe", "moe_tiny"),
+                                                  ("experiment", "+", "8x7b_mixtral", "mixtral_8x7b")])
+def test_an_unknown_preset_lists_the_presets(group, plus, name, near):
+    """Mutants: Hydra's raw "In 'config': Could not find 'model/7b'" with its search path; spelling's
+    nearest alone (tiny_moe -> tiny, though moe_tiny has the same words)."""
     presets = ", ".join(sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / group).glob("*.yaml")))
     with pytest.raises(ConfigError) as e:
-        compose([f"{plus}{group}=7b"])
-    assert str(e.value) == (f"{plus}{group}=7b: no such preset (conf/{group}/7b.yaml). Presets of {group}: {presets}. "
-                            f"Fix: {plus}{group}={near}")
+        compose([f"{plus}{group}={name}"])
+    assert str(e.value) == (f"{plus}{group}={name}: no such preset (conf/{group}/{name}.yaml). Presets of {group}: "
+                            f"{presets}. Fix: {plus}{group}={near}")
 
 
 def test_free_form_dicts_accept_new_keys():

@@ -167,7 +167,9 @@ def explain(e: BaseException, overrides: Sequence[str]) -> str:
     if missing and (conf_dir() / missing.group(1)).is_dir():
         group, name = missing.groups()
         presets = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-        near = difflib.get_close_matches(name, presets, n=1)
+        # the same words in another order (tiny_moe for moe_tiny) before spelling's nearest
+        words = sorted(name.lower().replace("-", "_").split("_"))
+        near = [p for p in presets if sorted(p.split("_")) == words] or difflib.get_close_matches(name, presets, n=1)
         plus = "+" if group == "experiment" else ""
         return (f"{plus}{group}={name}: no such preset (conf/{group}/{name}.yaml). Presets of {group}: "
                 f"{', '.join(presets)}. Fix: {plus}{group}={(near or presets)[0]}")
