@@ -311,10 +311,12 @@ def test_auto_layout_is_at_least_the_published_one(rows):
 
 
 @pytest.mark.slow
-def test_cli_prints_the_table(capsys):
+def test_cli_prints_the_table(capsys, tmp_path):
     from hpctrain.plan.__main__ import main
 
-    assert main(["--published"]) == 0
+    assert main(["--published", "--png", str(tmp_path / "published.png")]) == 0
     out = capsys.readouterr().out
     assert "FIT rows" in out and "HELD-OUT rows" in out and "held-out:" in out
     assert "parallel=auto on" in out and "[not modelled]" in out
+    assert "MoE HELD-OUT rows" in out and "MoE held-out: 7 rows" in out  # the MoE rows too
+    assert (tmp_path / "published.png").stat().st_size > 20_000 and f"wrote {tmp_path / 'published.png'}" in out

@@ -61,3 +61,38 @@ def test_without_the_tensor_parallel_token_split_it_fails(rows, monkeypatch):
     held = [r for r in rows if not r.skip and not r.fit]
     errors = [predict(r) / r.tokens - 1 for r in held]
     assert sum(abs(e) > 0.15 for e in errors) >= 6, errors
+
+
+def test_the_table_and_the_picture_show_each_held_out_row(rows, monkeypatch, tmp_path):
+    """`python -m hpctrain.plan --published [--png]`'s MoE part. Mutants: fit and held-out rows mixed in
+    the table's groups or the picture's series; the picture's axes swapped (published on y); the band drawn
+    at another width; the median taken over signed errors."""
+    import matplotlib.pyplot as plt
+
+    from hpctrain.plan import published_moe, published_plot
+
+    held = [r for r in rows if not r.skip and not r.fit]
+    errors = [predict(r) / r.tokens - 1 for r in held]
+    text = published_moe.table(rows)
+    held_part = text.split("MoE HELD-OUT rows")[1]
+    for r, e in zip(held, errors):
+        assert f"{r.tokens:>9,.0f} {predict(r):>7,.0f} {e:>+7.1%}" in held_part, held_part
+    outside = sum(abs(e) > 0.15 for e in errors)
+    assert (f"MoE held-out: {len(held)} rows, median |error| {statistics.median(abs(e) for e in errors):.1%}, "
+            f"worst {max(errors, key=abs):+.1%}, {outside} outside 15%") in held_part
+    assert "MoE rows not priced: " in text and "fp8 (the planner prices 16-bit runs)" in text
+
+    seen = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: seen.append(fig))
+    published_plot.save_published_png([], rows, str(tmp_path / "published.png"))
+    scatter, _ = seen[0].axes
+    series = {c.get_label(): c.get_offsets() for c in scatter.collections}
+    xy = series[f"MoE held-out ({len(held)}, {outside} outside)"]
+    assert [tuple(p) for p in xy] == pytest.approx([(r.tokens, predict(r)) for r in held])
+    assert len(series[f"MoE fit ({sum(r.fit for r in rows if not r.skip)}, 2 outside)"]) == 2
+    slopes = sorted(round(line.get_ydata()[1] / line.get_xdata()[1], 6) for line in scatter.get_lines()
+                    if len(line.get_xdata()))
+    assert slopes == [0.85, 1.0, 1.15]
+    assert f"MoE held-out: {len(held) - outside} of {len(held)} within 15%" in scatter.get_title()
+    assert scatter.get_xlabel().startswith("published") and scatter.get_ylabel().startswith("planner")
+    plt.close("all")

@@ -1,5 +1,5 @@
 """`python -m hpctrain.plan [overrides...] [--top N] [--json PATH] [--png PATH] [--calibrate]`
-`python -m hpctrain.plan --published [--fit [--write]]`
+`python -m hpctrain.plan --published [--fit [--write]] [--png PATH]`
 
 Composes the config as `python -m hpctrain` does, prices the layout it asks for, then searches every
 layout of the same model, batch and cluster and prints the fastest that fit. No torch: seconds.
@@ -12,7 +12,7 @@ import sys
 from hpctrain.checks.config_checks import problems
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.spec import world_size
-from hpctrain.plan import fit, published as pub, verdict as report
+from hpctrain.plan import fit, published as pub, published_moe, verdict as report
 from hpctrain.plan.memory import cluster_of, job_of
 from hpctrain.plan.search import Space, search
 
@@ -22,9 +22,10 @@ USAGE = __doc__ + """
   --json PATH    write plan.json for the requested layout and the best one
   --png PATH     the requested layout and the best few: device memory by kind, and tokens/s
   --calibrate    print predicted vs published TFLOP/s for Megatron-LM's H100 table and exit
-  --published    predicted vs published throughput on every row of hpctrain/plan/published.csv (fit
-                 rows and held-out rows apart, worst and median error), then parallel=auto on a few
-                 of those configurations, and exit
+  --published    predicted vs published throughput on every row of hpctrain/plan/published.csv and
+                 published_moe.csv (fit rows and held-out rows apart, worst and median error), then
+                 parallel=auto on a few of those configurations, and exit; with --png PATH, also a
+                 scatter of predicted over published and the held-out errors' histogram
   --fit          with --published: refit each GPU kind's two efficiencies on the fit rows first and
                  judge those; --write also writes them into conf/cluster/<kind>.yaml
 """
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def published(argv: list[str]) -> int:
+    png = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--png"), None) or \
+        next((a.split("=", 1)[1] for a in argv if a.startswith("--png=")), None)
     rows = pub.load()
     use = pub.usable(rows)
     presets = None
@@ -102,14 +105,22 @@ def published(argv: list[str]) -> int:
         if "--write" in argv:
             print("wrote " + ", ".join(fit.write(fitted)))
         print()
-    print(fit.table(fit.evaluate(use, presets)))
+    preds = fit.evaluate(use, presets)
+    print(fit.table(preds))
     skipped: dict = {}
     for p in rows:
         if p.skip:
             skipped[p.skip] = skipped.get(p.skip, 0) + 1
     print("rows not priced: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda x: -x[1])))
     print()
+    moe_rows = published_moe.load()
+    print(published_moe.table(moe_rows))
+    print()
     print(fit.auto_report(use, presets))
+    if png:
+        from hpctrain.plan.published_plot import save_published_png
+
+        print(f"wrote {save_published_png(preds, moe_rows, png)}")
     return 0
 
 
