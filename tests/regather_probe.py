@@ -72,15 +72,56 @@ def probe(t: Trainer) -> dict:
     with made:
         t.train_step()  # the first also builds the optimizer state (and a pipeline's shapes)
         seen["base"] = made.alive_bytes()
-        hook = model.output.register_full_backward_pre_hook(mark) if model.output is not None else None
+        hooks = [model.output.register_full_backward_pre_hook(mark)] if model.output is not None else []
+        if model.tok_embeddings is not None:
+            hooks += embedding_accumulation(model.tok_embeddings.weight, seen)
         try:
             loss, _ = t.train_step()
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
     # What each step left behind (no garbage collection first: a reference cycle would show here).
     return {"rank": dist.get_rank(), "forward": seen.get("forward"), "after_first": seen["base"],
-            "after": made.alive_bytes(), "beyond_state": beyond_state(t), "loss": loss.item()}
+            "after": made.alive_bytes(), "beyond_state": beyond_state(t), "loss": loss.item(),
+            "embedding_accumulation": seen.get("embedding")}
+
+
+def embedding_accumulation(weight, seen: dict) -> list:
+    """Hooks that measure, for each micro-batch after the first, what adding the embedding's fresh
+    gradient to its .grad holds at most: the fresh gradient's bytes plus the most that the accumulation
+    (and the layout hooks after it) allocate beside it, inside DTensor's ops too (torch.profiler's
+    allocation events, where a dispatch mode sees only the outer op). seen["embedding"]: the largest over
+    the micro-batches."""
+    from torch._C._profiler import _EventType
+    from torch.distributed.tensor import DTensor
+    from torch.profiler import ProfilerActivity, profile
+
+    def before(grad):
+        if weight.grad is not None:  # the first micro-batch's is taken as .grad, nothing added
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            seen["_fresh"] = local.untyped_storage().nbytes()
+            seen["_prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            seen["_prof"].start()
+        return None
+
+    def after(_):
+        prof = seen.pop("_prof", None)
+        if prof is None:
+            return
+        prof.stop()
+        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                events.append((e.start_time_ns, e.extra_fields.alloc_size))
+            stack.extend(e.children)
+        held = most = 0
+        for _, size in sorted(events, key=lambda x: x[0]):
+            held += size
+            most = max(most, held)
+        seen["embedding"] = max(seen.get("embedding", 0), seen.pop("_fresh") + most)
+
+    return [weight.register_hook(before), weight.register_post_accumulate_grad_hook(after)]
 
 
 def beyond_state(t: Trainer) -> int:

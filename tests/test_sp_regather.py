@@ -21,6 +21,8 @@ TP = "parallel.tp=2 parallel.dp_shard=1"
 LAYOUTS = {(n, again): f"{TP} model.n_layers={n}" + ("" if again else " parallel.sp_regather=false")
            for n in (2, 4) for again in (False, True)}
 LAYOUTS.update({(n, "dp"): f"parallel=ddp train.global_batch=16 model.n_layers={n}" for n in (2, 4)})
+PIPELINED = "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule=1f1b train.micro_batch=2"
+PIPELINED_DDP = "parallel=ddp"  # no FSDP: autograd accumulates the gradients, a second one beside .grad
 # bf16 over fp32 parameters (DDP, autocast), few tokens so that the weights' bf16 copies weigh
 BF16 = "parallel=ddp train.precision=bf16 train.global_batch=2 train.micro_batch=1 data.seq_len=128"
 LAYOUTS.update({(n, "bf16"): f"{BF16} model.n_layers={n}" for n in (2, 4)})
@@ -40,12 +42,29 @@ def pipelined(tmp_path_factory):
     """TP 2 x PP 2 (4 micro-batches), keeping and re-gathering: torch's pipeline stages infer their shapes
     with one forward the first stage never runs backward."""
     d = tmp_path_factory.mktemp("regather_pp")
-    layout = "parallel.tp=2 parallel.pp=2 parallel.dp_shard=1 parallel.pp_schedule=1f1b train.micro_batch=2"
-    layouts = [f"{layout} parallel.sp_regather=false", layout]
+    layouts = [f"{PIPELINED} parallel.sp_regather=false", PIPELINED, f"{PIPELINED} {PIPELINED_DDP}"]
     rc = launch(d, 4, cmd=[sys.executable, WORKER, str(d / "out.json"), *layouts])
     assert rc == 0, (d / "logs").as_posix()
     got = json.loads((d / "out.json").read_text())
-    return got[layouts[0]], got[layouts[1]]
+    return tuple(got[layout] for layout in layouts)
+
+
+@pytest.mark.slow
+def test_the_embeddings_second_gradient_under_tp_is_what_the_planner_prices(pipelined):
+    """Gradient accumulation under TP x PP without FSDP: the embedding's fresh gradient comes back
+    replicated (vocab x dim), and adding it to the vocabulary-parallel .grad first copies out this rank's
+    shard beside it. Mutant: the planner without that copy (accumulation_transient's 1 + 1/tp) reads
+    2/3 of the measured bytes."""
+    from hpctrain.plan.memory import accumulation_transient, stage_params
+    from regather_probe import COMMON
+
+    job = job_of(compose([*COMMON, "launcher.nproc=4", *PIPELINED.split(), PIPELINED_DDP]), 4)
+    assert job.spec.data_parallel == "ddp" and job.knobs.layout.tp == 2 and job.microbatches == 4
+    want = accumulation_transient(job, stage_params(job, 0), 0.0)
+    first_stage = [r for r in pipelined[2] if r["embedding_accumulation"] is not None]
+    assert len(first_stage) == 2  # the two TP ranks of the first stage
+    for r in first_stage:
+        assert r["embedding_accumulation"] == pytest.approx(want, rel=0.02), (r, want)
 
 
 @pytest.mark.slow
@@ -53,7 +72,7 @@ def test_nothing_is_left_behind_under_pipelining(pipelined):
     """A pack hook that kept a saved output with its grad_fn formed a cycle through the autograd graph,
     which that never-run-backward graph never breaks: the first stage kept one micro-batch of activations
     for the life of the process (+2.8 MiB here, +13 MiB with model=small)."""
-    kept, again = pipelined
+    kept, again, _ = pipelined
     for k, a in zip(kept, again):
         assert k["loss"] == pytest.approx(a["loss"], rel=1e-6)
         for when in ("after_first", "after"):

@@ -495,8 +495,10 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     gradient afresh and adds it in place, so for a moment the weight has two. The output layer's comes
     first in a backward, with the micro-batch's activations (`per_microbatch`) and logits alive, then
     the blocks'; the input embedding's comes last, once that micro-batch's activations are freed, and
-    under TP it arrives replicated, the whole vocab x dim (hpctrain.parallel.tensor.
-    keep_grads_like_params lays it out like the parameter afterwards). FSDP2 (ZeRO-2/3, replicate)
+    under TP it arrives replicated, the whole vocab x dim, and adding it to the vocabulary-parallel .grad
+    first copies out this rank's shard (DTensor's Replicate -> Shard), beside it (hpctrain.parallel.tensor.
+    keep_grads_like_params lays it out like the parameter afterwards; found with torch.profiler's allocation
+    events at the first stage's peak of TP 2 x PP 2, fp32 and bf16 alike). FSDP2 (ZeRO-2/3, replicate)
     reduces or accumulates a unit's gradient in its own buffers (transients); Megatron accumulates in
     the wgrad GEMM itself."""
     if (job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1")
@@ -507,7 +509,8 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
     grad = stream_bytes(job)
-    embedding = grad * m.vocab_size * m.dim if job.first(sp.stage) else 0.0
+    copies = 1 + 1 / tp if tp > 1 else 1  # the replicated one, and under TP its shard copied out beside it
+    embedding = grad * m.vocab_size * m.dim * copies if job.first(sp.stage) else 0.0
     return max(grad * largest, embedding - per_microbatch)
 
 
