@@ -211,6 +211,65 @@ def test_config_json_round_trip_of_both_formats():
         assert hf.mismatches(m, hf.model_keys(theirs.to_dict())) == []
 
 
+def test_the_balancing_loss_reaches_the_model_as_transformers_own(tmp_path):
+    """transformers' Qwen3-MoE with one MoE layer and output_router_logits: under model=hf the gradient
+    our balancing loss gives the router, and through it the layers below, is the one transformers'
+    load_balancing_loss_func gives at router_aux_loss_coef (with one MoE layer pooling changes nothing).
+    Mutants: another loss scale or formula; the bias of a sigmoid router or z-loss leaking in."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from hpctrain.checkpoint.hf_weights import load_hf
+    from hpctrain.models.llama import Llama
+
+    torch.manual_seed(3)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                      tie_word_embeddings=False, intermediate_size=192, moe_intermediate_size=64,
+                                      num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
+                                      router_aux_loss_coef=0.02, output_router_logits=True)
+    theirs = transformers.Qwen3MoeForCausalLM(cfg).train()
+    theirs.save_pretrained(tmp_path)
+    m = compose(["+experiment=tiny", "model=hf", f"model.init_from={tmp_path}"]).model
+    assert m.moe.aux_loss_coef == pytest.approx(0.02) and m.moe.z_loss_coef == 0.0
+    ours = Llama(m, 64).train()
+    load_hf([ours], tmp_path, m)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    (ours(x) * 0).sum().backward()  # only the balancing loss's gradient: _AuxGrad injects it in backward
+    out = theirs(input_ids=x, output_router_logits=True)
+    (0.02 * load_balancing_loss_func(out.router_logits, 4, 2) + 0 * out.logits.sum()).backward()
+    mine, them = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    for a, b in (("layers.1.moe.router.weight", "model.layers.1.mlp.gate.weight"),
+                 ("layers.0.attention.wq.weight", "model.layers.0.self_attn.q_proj.weight")):
+        assert them[b].grad.abs().max() > 0
+        assert torch.allclose(mine[a].grad, them[b].grad, rtol=1e-5, atol=1e-9), (a, mine[a].grad, them[b].grad)
+
+
+def test_transformers_pooled_coefficient_is_ours_times_the_moe_layers():
+    """config.json's router_aux_loss_coef is pooled over the MoE layers and counts only with
+    output_router_logits; model=hf takes coef / MoE layers (0 when transformers trains without it) unless
+    the command line says otherwise, and the export writes it back. Mutants: the coefficient copied as it
+    is (3x too strong here); output_router_logits ignored; config.json overriding the command line; a
+    preset refused for an init_from whose coefficient differs."""
+    m = compose(["+experiment=tiny", "model=moe_tiny", "model.n_layers=3", "model.moe.aux_loss_coef=0.01"]).model
+    c = hf.to_config(m, 64)
+    assert c["router_aux_loss_coef"] == pytest.approx(0.03) and c["output_router_logits"] is True
+    assert hf.training_keys(c) == {"moe.aux_loss_coef": pytest.approx(0.01)}
+    assert hf.training_keys({**c, "output_router_logits": False}) == {"moe.aux_loss_coef": 0.0}
+    assert "moe.aux_loss_coef" not in hf.model_keys(c)  # a training choice, not the shape
+    assert hf.mismatches(replace(m, moe=replace(m.moe, aux_loss_coef=0.5)), hf.model_keys(c)) == []
+    off = hf.to_config(replace(m, moe=replace(m.moe, aux_loss_coef=0.0)), 64)
+    assert off["output_router_logits"] is False and off["router_aux_loss_coef"] == 0.0
+
+
+def test_model_hf_keeps_the_balancing_coefficient_the_command_line_gives(tmp_path):
+    m = compose(["+experiment=tiny", "model=moe_tiny", "model.n_layers=3", "model.moe.aux_loss_coef=0.01"]).model
+    (tmp_path / hf.CONFIG).write_text(json.dumps(hf.to_config(m, 64)))
+    base = ["+experiment=tiny", "model=hf", f"model.init_from={tmp_path}"]
+    assert compose(base).model.moe.aux_loss_coef == pytest.approx(0.01)
+    assert compose([*base, "model.moe.aux_loss_coef=0.2"]).model.moe.aux_loss_coef == 0.2
+    assert compose([*base, "model.moe.aux_loss_coef=0"]).model.moe.aux_loss_coef == 0.0
+
+
 # ------------------------------------------------------------------------- Hugging Face, multi-rank
 
 def transformers_moe(kind: str, d: Path) -> Path:
@@ -218,7 +277,7 @@ def transformers_moe(kind: str, d: Path) -> Path:
     torch.manual_seed(3)
     common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                  num_experts_per_tok=2, router_aux_loss_coef=0.02)
+                  num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=True)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=192, num_local_experts=4, **common)
         model = transformers.MixtralForCausalLM(cfg)
@@ -249,7 +308,9 @@ def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path):
     got = json.loads(out.read_text())
     for layout, d in layouts.items():
         cfg = compose([*common, f"model.init_from={d}"])
-        assert cfg.model.moe.experts == 4 and cfg.model.moe.aux_loss_coef == 0.02
+        # transformers' pooled coefficient over the MoE layers: Mixtral's 2, Qwen3's 1 (mlp_only_layers=[0])
+        layers = 2 if "mixtral" in str(d) else 1
+        assert cfg.model.moe.experts == 4 and cfg.model.moe.aux_loss_coef == pytest.approx(0.02 / layers)
         want = reference_run(cfg, 2, init_dir=d)["loss"]
         for step in range(2):
             assert abs(got[layout][step] - want[step]) <= 2e-5 * max(1, want[step]), (layout, got[layout], want)

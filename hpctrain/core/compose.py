@@ -82,7 +82,12 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config
             raise ConfigError("model=hf takes the model's shape from a Hugging Face directory. "
                               "Fix: add model.init_from=<directory with config.json and *.safetensors>")
         try:
-            for k, v in hf.model_keys(hf.read_config(cfg.model.init_from)).items():
+            given = hf.read_config(cfg.model.init_from)
+            keys = hf.model_keys(given)
+            # training defaults (the balancing loss's coefficient) only where the command line sets none
+            said = {o.lstrip("+").split("=", 1)[0] for o in overrides}
+            keys.update({k: v for k, v in hf.training_keys(given).items() if f"model.{k}" not in said})
+            for k, v in keys.items():
                 OmegaConf.update(cfg, f"model.{k}", v, merge=False)
         except (hf.HFError, OmegaConfBaseException) as e:
             raise ConfigError(explain(e, ()) if isinstance(e, OmegaConfBaseException) else str(e)) from None

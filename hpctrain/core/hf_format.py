@@ -13,8 +13,8 @@ import math
 import struct
 from pathlib import Path
 
-from hpctrain.core.schema import ModelConfig
-from hpctrain.core.shape import expert_ffn, head_dim, moe_layer
+from hpctrain.core.schema import ModelConfig, MoEConfig
+from hpctrain.core.shape import expert_ffn, head_dim, moe_layer, moe_layer_count
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -286,11 +286,32 @@ def _moe_keys(hf: dict) -> dict:
         dense = len(hf.get("mlp_only_layers") or [])  # _config_problems: they are the first layers
     else:
         return {}
-    aux = hf.get("router_aux_loss_coef")
     return {"moe.experts": experts, "moe.top_k": hf.get("num_experts_per_tok") or 2, "moe.ffn_dim": ffn,
             "moe.every": every, "moe.first_dense": dense, "moe.norm_topk": norm, "moe.router": "softmax",
-            "moe.shared_experts": 0, "moe.route_scale": 1.0,
-            "moe.aux_loss_coef": float(aux) if _positive(aux) else 0.0}
+            "moe.shared_experts": 0, "moe.route_scale": 1.0}
+
+
+def training_keys(hf: dict) -> dict:
+    """The training defaults a Mixtral or Qwen3-MoE config.json carries, as dotted model keys: the
+    balancing loss's coefficient, which a run may set otherwise (model=hf takes it when the command line
+    does not). transformers pools every MoE layer's routing into one loss (load_balancing_loss_func)
+    and adds it only with output_router_logits; hpctrain sums one loss per MoE layer, whose gradient
+    into each router is the pooled one's times the MoE layers (equal with one MoE layer, or with every
+    layer routing alike). So router_aux_loss_coef / MoE layers, or 0 where transformers trains without
+    the loss (the published configs say output_router_logits: false)."""
+    keys = model_keys(hf) if hf.get("model_type") in ("mixtral", "qwen3_moe") else {}
+    aux = hf.get("router_aux_loss_coef")
+    if not keys.get("moe.experts"):
+        return {}
+    if not (hf.get("output_router_logits") and _positive(aux)):
+        return {"moe.aux_loss_coef": 0.0}
+    moe = MoEConfig(**{k[len("moe."):]: v for k, v in keys.items() if k.startswith("moe.")})
+    return {"moe.aux_loss_coef": float(aux) / max(1, moe_layer_count(ModelConfig(n_layers=keys["n_layers"], moe=moe)))}
+
+
+def router_aux_loss_coef(m: ModelConfig) -> float:
+    """transformers' pooled coefficient for ours (training_keys, the other way)."""
+    return m.moe.aux_loss_coef * max(1, moe_layer_count(m))
 
 
 def to_config(m: ModelConfig, max_seq_len: int, dtype: str = "float32") -> dict:
@@ -308,13 +329,14 @@ def to_config(m: ModelConfig, max_seq_len: int, dtype: str = "float32") -> dict:
                                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                                "original_max_position_embeddings": m.rope_original_max_seq_len}
     e = m.moe
+    # the balancing loss as transformers would train it on: pooled over the MoE layers (training_keys)
+    balance = dict(router_aux_loss_coef=router_aux_loss_coef(m), output_router_logits=e.aux_loss_coef > 0)
     if arch == "mixtral":
-        cfg.update(num_local_experts=e.experts, num_experts_per_tok=e.top_k, router_aux_loss_coef=e.aux_loss_coef,
-                   output_router_logits=False, router_jitter_noise=0.0)
+        cfg.update(num_local_experts=e.experts, num_experts_per_tok=e.top_k, router_jitter_noise=0.0, **balance)
     elif arch == "qwen3_moe":
         cfg.update(num_experts=e.experts, num_experts_per_tok=e.top_k, moe_intermediate_size=expert_ffn(m),
                    decoder_sparse_step=e.every, mlp_only_layers=list(range(e.first_dense)), norm_topk_prob=e.norm_topk,
-                   router_aux_loss_coef=e.aux_loss_coef, output_router_logits=False)
+                   **balance)
     return cfg
 
 

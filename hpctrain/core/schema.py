@@ -75,9 +75,11 @@ class MoEConfig:
     route_scale: float = 1.0
     """Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor, 2.5)."""
     aux_loss_coef: float = 0.0
-    """Load-balancing loss (Switch Transformer, as transformers' Mixtral computes it, per layer):
-    coef x experts x sum_e f_e P_e, f_e the share of routed slots expert e got (summing to top_k), P_e
-    its mean router probability; summed over MoE layers, added to the training loss's gradient."""
+    """Load-balancing loss (Switch Transformer): coef x experts x sum_e f_e P_e per MoE layer, f_e the
+    share of routed slots expert e got (summing to top_k), P_e its mean router probability; summed over
+    MoE layers (Megatron-Core's convention), added to the training loss's gradient. transformers pools
+    the layers into one loss instead: its router_aux_loss_coef is this x the MoE layers (model=hf and
+    the hf export convert; docs/moe.md)."""
     z_loss_coef: float = 0.0
     """Router z-loss (ST-MoE): coef x mean over tokens of logsumexp(router logits)^2, per MoE layer."""
     bias_update_rate: float = 0.0

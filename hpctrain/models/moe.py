@@ -56,7 +56,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 class Router(nn.Module):
     """Scores every expert for every token and keeps top_k. `bias` (DeepSeek-V3's balancing bias, moved
-    by hpctrain.train.moe_balance outside the gradient) shifts only which experts are picked, never
+    by hpctrain.train.router_stats outside the gradient) shifts only which experts are picked, never
     the weights the picked ones get."""
 
     def __init__(self, a: ModelConfig):
