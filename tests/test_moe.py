@@ -85,6 +85,35 @@ def _moe(**moe) -> "torch.nn.Module":
     return layer
 
 
+def test_a_capacity_factor_keeps_each_experts_first_slots():
+    """The capacity rule written here from the router's own picks: expert e computes its first
+    ceil(c x tokens x top_k / experts) slots in token order, a dropped slot adds nothing to its token
+    (the residual carries it), and the layer counts the dropped ones. Mutants: one capacity for all the
+    slots instead of one per expert; the last slots kept instead of the first; dropped slots computed."""
+    import torch.nn.functional as F
+
+    c, tokens, k, experts = 0.75, 40, 2, 4
+    layer = _moe(capacity_factor=c, grouped_mm=False).train()
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        idx, weight, _, _ = layer.router(x)
+        y = layer(x)
+    cap = math.ceil(c * tokens * k / experts)
+    taken, dropped, want = [0] * experts, 0, torch.zeros_like(x)
+    w1, w2, w3 = layer.experts.w1.detach(), layer.experts.w2.detach(), layer.experts.w3.detach()
+    for t in range(tokens):
+        for j in range(k):
+            e = int(idx[t, j])
+            if taken[e] == cap:
+                dropped += 1
+                continue
+            taken[e] += 1
+            want[t] += weight[t, j] * (F.silu(x[t] @ w1[e].T) * (x[t] @ w3[e].T)) @ w2[e].T
+    assert 0 < dropped < tokens * k // 2
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    assert layer.stats.dropped.item() == dropped
+
+
 @pytest.mark.parametrize("capacity", [0.0, 0.75])
 def test_grouped_gemm_equals_the_per_expert_loop(capacity):
     """Forward and every gradient; with a capacity factor some slots are dropped on both paths alike.

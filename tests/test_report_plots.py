@@ -169,3 +169,11 @@ def test_router_plot_shows_each_experts_share_and_only_for_moe_runs(figure, tmp_
     assert image[0, -1] == pytest.approx(1.4) and image[1, 0] == pytest.approx(0.99)
     left, right, _, _ = heat.get_images()[0].get_extent()
     assert (left, right) == (0.5, 40.5)
+    assert not any("dropped" in ax.get_ylabel() for ax in figure().axes)  # nothing was dropped: no panel
+    for m in run.metrics:  # a capacity factor that drops from step 20 on
+        m["moe_dropped"] = 3 * max(0, m["step"] - 19)
+    assert R.plot_router(run, tmp_path) == "router.png"
+    dropped = next(ax for ax in figure().axes if "dropped" in ax.get_ylabel())
+    x, y = dropped.get_lines()[0].get_data()
+    assert list(y) == [m["moe_dropped"] for m in run.metrics] and list(x) == [m["step"] for m in run.metrics]
+    assert f"{sum(m['moe_dropped'] for m in run.metrics):,} dropped" in dropped.get_title()

@@ -174,8 +174,9 @@ class Routed:
         self.tokens = tokens
 
     @property
-    def dropped(self) -> int:
-        return int((self.routed - self.counts).sum()) if self.keep is not None else 0
+    def dropped(self) -> torch.Tensor:
+        """Routed slots over capacity, as a tensor (no wait for the device)."""
+        return (self.routed - self.counts).sum() if self.keep is not None else self.routed.new_zeros(())
 
     def permute(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.token]
@@ -253,10 +254,11 @@ class MoE(nn.Module):
             if loss.requires_grad:
                 out = _AuxGrad.apply(out, loss, self.aux_scale)
         if self.training:
-            losses = torch.stack([aux.detach(), z.detach()])
+            # aux and z: this rank's parts of the micro-batch's; dropped: its own slots over capacity
+            parts = torch.stack([aux.detach(), z.detach(), routing.dropped.to(aux.dtype)])
             if self.token_group is not None:
-                dist.all_reduce(losses, group=self.token_group)  # the parts of the whole micro-batch's
-            self.stats.record(counts, losses[0], losses[1], routing.dropped)
+                dist.all_reduce(parts, group=self.token_group)  # the whole micro-batch's
+            self.stats.record(counts, parts[0], parts[1], parts[2])
         return out.reshape(shape)
 
     def reset_parameters(self) -> None:
@@ -278,7 +280,7 @@ class MoEStats:
         self.passes = 0
         self.dropped = 0
 
-    def record(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: int) -> None:
+    def record(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor) -> None:
         if _recomputing():
             return
         counts = counts.detach().float()
@@ -286,7 +288,7 @@ class MoEStats:
         self.aux += aux.detach()
         self.z += z.detach()
         self.passes += 1
-        self.dropped += dropped
+        self.dropped += dropped.detach()
 
 
 def _recomputing() -> bool:

@@ -247,14 +247,17 @@ def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
 
 def plot_router(run: Run, out: Path) -> Optional[str]:
     """Mixture-of-Experts runs: each expert's share of the routed tokens over the steps (relative to an
-    even split, the mean over MoE layers), and the spread over experts and layers with the balancing loss."""
+    even split, the mean over MoE layers), the spread over experts and layers with the balancing loss,
+    and, where a capacity factor dropped any, the routed slots dropped per step."""
     rows = [m for m in run.metrics if m.get("expert_share")]
     if not rows:
         return None
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm
 
-    fig, (heat, spread) = _axes(2)
+    dropping = any(m.get("moe_dropped") for m in rows)  # a capacity factor that bit: the slots it cut
+    fig, axes = _axes(3 if dropping else 2)
+    heat, spread = axes[:2]
     fig.set_figheight(4.2)
     steps = [m["step"] for m in rows]
     share = np.array([m["expert_share"] for m in rows]).T  # experts x steps
@@ -280,6 +283,12 @@ def plot_router(run: Run, out: Path) -> Optional[str]:
         handles, labels = handles + more[0], labels + more[1]
     # one legend under the axes: over them it would hide the spread it explains
     spread.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small")
+    if dropping:
+        axes[2].plot(steps, [m.get("moe_dropped", 0) for m in rows], color="C3")
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("routed slots dropped (over capacity)")
+        axes[2].set_title(f"{sum(m.get('moe_dropped', 0) for m in rows):,} dropped over the logged steps", fontsize=9)
+        axes[2].grid(alpha=0.3)
     return _save(fig, out / "router.png")
 
 

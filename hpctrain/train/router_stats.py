@@ -38,7 +38,7 @@ class RouterStats:
         loads = torch.stack([m.stats.load.to(device) if m.stats.load is not None
                              else torch.zeros(m.num_experts, device=device) for m in self.modules])
         sums = torch.tensor([[float(m.stats.aux) / max(1, m.stats.passes), float(m.stats.z) / max(1, m.stats.passes),
-                              m.stats.dropped] for m in self.modules], device=device, dtype=torch.float64)
+                              float(m.stats.dropped)] for m in self.modules], device=device, dtype=torch.float64)
         dist.all_reduce(loads, group=self.dp_group)
         dist.all_reduce(sums, group=self.dp_group)
         if self.rate > 0:
