@@ -59,7 +59,7 @@ LAYOUTS = {
     2: [f"{MOE} parallel.zero=3", f"{MOE} parallel.pp=2 parallel.dp_shard=1",
         # Expert parallel: all-to-all of uneven splits, expert gradients over ep data-parallel ranks; the
         # aux-free bias under it, with a recomputed forward that must not count its routing twice.
-        f"{MOE} parallel.ep=2", f"{AUX_FREE} parallel.ep=2 parallel.ac=full",
+        f"{MOE} parallel.ep=2", f"{AUX_FREE} model.moe.aux_loss_coef=0.01 parallel.ep=2 parallel.ac=full",
         f"{MOE} parallel.ep=2 offload=cpu",  # FSDP2's host parameters: the experts' 2-D DTensors too
         # TP on the dense parts: each TP rank routes its share of the sequence, the balancing losses
         # count the whole micro-batch's slots; QK-norm on each rank's heads

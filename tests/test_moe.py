@@ -390,7 +390,8 @@ def test_resume_on_the_same_ep_is_bit_identical_and_on_other_ep_sizes_within_1e_
     assert _losses(same) == want
 
     other = back_to(ep2_run, 3, tmp_path / "other")
-    run_cli(*EP_COMMON, "parallel.ep=1", "launcher.nproc=1", f"run.dir={other}")
+    out = run_cli(*EP_COMMON, "parallel.ep=1", "launcher.nproc=1", f"run.dir={other}").stdout
+    assert "resumed from checkpoint step 3" in out  # the ep 1 leg resumed too, not started afresh
     other = back_to(other, 6, tmp_path / "other-then")
     out = run_cli(*EP_COMMON, "parallel.ep=4", "launcher.nproc=4", f"run.dir={other}").stdout
     assert "resumed from checkpoint step 6" in out
@@ -419,6 +420,39 @@ def test_export_of_an_ep_checkpoint_loads_in_transformers_with_the_same_logits(t
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     run_cli("export", str(step), str(tmp_path / "ours.safetensors"), module="hpctrain.checkpoint")
     ours = Llama(load(run / "config.yaml").model, 64).eval()
+    ours.load_state_dict(load_file(tmp_path / "ours.safetensors"))
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = ours(tokens), theirs.eval()(input_ids=tokens).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_export_of_a_qwen3_moe_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    """Qwen3-MoE's layout (QK-norm, a dense first block, experts narrower than the dense SwiGLU, the
+    mlp.experts.E.gate_proj names): a one-step checkpoint exported as hf loads in Qwen3MoeForCausalLM with
+    no missing or unexpected key and gives the logits of our model loaded from the one-file export.
+    Mutant: Mixtral's expert names written for a Qwen3 model (missing keys)."""
+    from safetensors.torch import load_file
+
+    from hpctrain.checkpoint.__main__ import export
+    from hpctrain.checkpoint.hf_weights import export_hf
+    from hpctrain.core.compose import load
+    from hpctrain.models.llama import Llama
+
+    run = tmp_path / "run"
+    run_cli("+experiment=tiny", "model=moe_tiny", "model.qk_norm=true", "model.head_dim=16", "model.moe.ffn_dim=64",
+            "model.moe.first_dense=1", "model.n_layers=3", "train.steps=1", "checkpoint.every=1", f"run.dir={run}")
+    step = run / "checkpoints" / "step-00000001"
+    cfg = load(run / "config.yaml").model
+    assert hf.architecture(cfg) == "qwen3_moe"
+    export_hf(step, tmp_path / "hf")
+    theirs, info = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert theirs.config.mlp_only_layers == [0] and theirs.config.moe_intermediate_size == 64
+    export(step, tmp_path / "ours.safetensors")
+    ours = Llama(cfg, 64).eval()
     ours.load_state_dict(load_file(tmp_path / "ours.safetensors"))
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
