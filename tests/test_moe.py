@@ -323,13 +323,14 @@ def test_import_of_a_transformers_moe_starts_where_transformers_is(tmp_path):
     """model=hf from transformers' own Mixtral and Qwen3-MoE checkpoints (per-expert tensors) under expert
     parallel, each rank reading only its experts' slices (one launch for both): the first loss is
     transformers' on the same batch, the second that of transformers + torch's AdamW (balancing loss at
-    config.json's coefficient). FSDP2 without ep reads the same way as a dense model (tests/test_hf.py).
+    config.json's coefficient), and the same under FSDP2 without ep (the stacked experts sharded on dim 0).
     Mutant caught: an expert's slice read at another expert's offset, router weights transposed."""
     from reference import reference_run
 
     dirs = {kind: transformers_moe(kind, tmp_path / kind) for kind in ("mixtral", "qwen3_moe")}
     common = ["+experiment=tiny", "train.global_batch=8", "train.micro_batch=2", "model=hf"]
-    layouts = {f"model.init_from={d} parallel.ep=2": d for d in dirs.values()}
+    # expert parallel (each rank reads its experts' slices), and FSDP2 alone (its shard of the stacked experts)
+    layouts = {f"model.init_from={d} parallel.ep={ep}": d for d in dirs.values() for ep in (2, 1)}
     out = tmp_path / "out.json"
     worker = str(Path(__file__).with_name("hf_worker.py"))
     assert launch(tmp_path / "ranks", 2, cmd=[sys.executable, worker, "first_loss", str(out), str(dirs["mixtral"]),
