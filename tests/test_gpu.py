@@ -149,7 +149,8 @@ def test_moe_grouped_gemm_in_bf16_matches_the_loop_on_cuda():
 
 def test_moe_training_with_the_nccl_all_to_all_dispatcher(tmp_path):
     """The expert-parallel dispatcher's all_to_all_single over NCCL (a group of one: the exchange runs
-    through NCCL's kernels to this rank itself), bf16 MoE layer, against the same layer without it."""
+    through NCCL's kernels to this rank itself), bf16 MoE layer, against the same layer without it:
+    output and every gradient."""
     import os
 
     import torch.distributed as dist
@@ -168,12 +169,18 @@ def test_moe_training_with_the_nccl_all_to_all_dispatcher(tmp_path):
                 p.normal_(0, p.shape[-1] ** -0.5)
             layer.router.bias.zero_()
         x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
-        plain = layer(x)
-        layer.dispatcher = AllToAll(dist.group.WORLD, 8)
-        via = layer(x)
-        torch.testing.assert_close(via, plain)
-        via.float().pow(2).mean().backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+        outs, grads = [], []
+        for dispatcher in (None, AllToAll(dist.group.WORLD, 8)):
+            layer.dispatcher = dispatcher
+            layer.zero_grad(set_to_none=True)
+            y = layer(x)
+            y.float().pow(2).mean().backward()
+            outs.append(y.detach())
+            grads.append({n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(outs[1], outs[0])
+        assert set(grads[1]) == set(grads[0]) and "experts.w1" in grads[0]
+        for name, g in grads[0].items():  # the exchange moves rows, never changes them: the same gradients
+            torch.testing.assert_close(grads[1][name], g, msg=name)
     finally:
         dist.destroy_process_group()
 
