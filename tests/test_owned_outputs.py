@@ -417,3 +417,42 @@ def test_the_example_corpus_refuses_a_directory_with_the_users_files(tmp_path, c
     err = capsys.readouterr().err
     assert str(out) in err and "corpus.jsonl" in err and "Fix:" in err, err
     assert (out / "corpus.jsonl").read_text() == '{"text": "mine"}\n' and os.listdir(out) == ["corpus.jsonl"]
+
+
+# ------------------------------------------------------------------------- the planner's single files
+
+def test_the_planners_files_are_written_over_only_when_they_are_its_own(tmp_path, capsys):
+    """`python -m hpctrain.plan ... --png/--json PATH` and `--published --png PATH`: a file the user has
+    there (any PNG or JSON, or another file) is refused before any work and left byte for byte; the
+    planner's own earlier plot or plan.json (they say so inside) is replaced. Mutants: no check (the
+    user's picture overwritten); the mark not written or not read (the planner's own file refused)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpctrain.plan import published_moe, published_plot
+    from hpctrain.plan.__main__ import main
+    from hpctrain.plan.verdict import TOOL
+
+    theirs = tmp_path / "holiday.png"
+    fig = plt.figure()
+    fig.savefig(theirs)  # a real PNG, written by matplotlib for someone else
+    plt.close(fig)
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    before = theirs.read_bytes(), notes.read_bytes()
+    assert main(["--published", "--png", str(theirs)]) == 2
+    assert "holiday.png exists and was not written by hpctrain.plan" in capsys.readouterr().err
+    assert main(["+experiment=tiny", "--json", str(notes)]) == 2
+    assert "notes.json exists and was not written by hpctrain.plan" in capsys.readouterr().err
+    assert (theirs.read_bytes(), notes.read_bytes()) == before
+    assert "is a directory" in outdir.file_problem(tmp_path, TOOL)
+
+    ours = tmp_path / "published.png"
+    published_plot.save_published_png([], published_moe.load(), str(ours))
+    assert outdir.written_by(ours) == TOOL and outdir.file_problem(ours, TOOL) is None
+    plan_json = tmp_path / "plan.json"
+    assert main(["+experiment=tiny", "--json", str(plan_json)]) == 0
+    assert main(["+experiment=tiny", "--json", str(plan_json), "--png", str(tmp_path / "plan.png")]) == 0
+    assert outdir.written_by(tmp_path / "plan.png") == TOOL and json.loads(plan_json.read_text())["requested"]

@@ -299,14 +299,15 @@ def training_keys(hf: dict) -> dict:
     into each router is the pooled one's times the MoE layers (equal with one MoE layer, or with every
     layer routing alike). So router_aux_loss_coef / MoE layers, or 0 where transformers trains without
     the loss (the published configs say output_router_logits: false)."""
-    keys = model_keys(hf) if hf.get("model_type") in ("mixtral", "qwen3_moe") else {}
+    keys = _moe_keys(hf)
     aux = hf.get("router_aux_loss_coef")
     if not keys.get("moe.experts"):
         return {}
     if not (hf.get("output_router_logits") and _positive(aux)):
         return {"moe.aux_loss_coef": 0.0}
-    moe = MoEConfig(**{k[len("moe."):]: v for k, v in keys.items() if k.startswith("moe.")})
-    return {"moe.aux_loss_coef": float(aux) / max(1, moe_layer_count(ModelConfig(n_layers=keys["n_layers"], moe=moe)))}
+    moe = MoEConfig(**{k[len("moe."):]: v for k, v in keys.items()})
+    layers = moe_layer_count(ModelConfig(n_layers=int(hf["num_hidden_layers"]), moe=moe))
+    return {"moe.aux_loss_coef": float(aux) / max(1, layers)}
 
 
 def router_aux_loss_coef(m: ModelConfig) -> float:

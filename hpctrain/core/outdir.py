@@ -149,3 +149,53 @@ def replacing(out: str | os.PathLike, tool: str) -> Iterator[Path]:
         discard(tmp)
         raise
     commit(tmp, out, tool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Single files a tool writes where the user names them (a plot, a JSON): written over only when the tool
+# wrote them itself, which they say inside (a PNG's "Software" text, a JSON's "written_by").
+
+
+def png_software(path: Path) -> str | None:
+    """The "Software" text chunk of a PNG file (matplotlib's savefig(metadata=...)), or None."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return None
+            while True:
+                head = f.read(8)
+                if len(head) < 8:
+                    return None
+                size, kind = int.from_bytes(head[:4], "big"), head[4:]
+                if kind in (b"IDAT", b"IEND") or size > 1 << 20:
+                    return None
+                data = f.read(size)
+                f.read(4)  # CRC
+                if kind == b"tEXt" and data.startswith(b"Software\x00"):
+                    return data[len(b"Software\x00"):].decode("latin-1")
+    except OSError:
+        return None
+
+
+def written_by(path: Path) -> str | None:
+    """The tool a PNG or JSON file says wrote it, or None."""
+    if path.suffix.lower() == ".png":
+        return png_software(path)
+    if path.suffix.lower() == ".json":
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError):
+            return None
+        return doc.get("written_by") if isinstance(doc, dict) and isinstance(doc.get("written_by"), str) else None
+    return None
+
+
+def file_problem(out: str | os.PathLike, tool: str) -> str | None:
+    """Why `tool` may not write the file `out`: a directory, or an existing file it did not write."""
+    out = Path(out)
+    if out.is_dir():
+        return f"{out} is a directory. Fix: name a file for {tool}'s output"
+    if (out.exists() or out.is_symlink()) and (out.is_symlink() or written_by(out) != tool):
+        return (f"{out} exists and was not written by {tool}: refusing to overwrite it. Fix: choose a new "
+                f"file name, or remove {out} if it is not needed")
+    return None

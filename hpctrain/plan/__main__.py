@@ -10,6 +10,7 @@ import json
 import sys
 
 from hpctrain.checks.config_checks import problems
+from hpctrain.core import outdir
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.spec import world_size
 from hpctrain.plan import fit, published as pub, published_moe, verdict as report
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report.calibration_table(report.calibration(cluster_of(compose(["cluster=h100"] + overrides)))))
             return 0
         cfg = compose(overrides)
+        refuse_outputs(opts.get("png"), opts.get("json"))
     except (ConfigError, ValueError) as e:
         print(f"hpctrain.plan: error: {e}", file=sys.stderr)
         return 2
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     res = search(request, space, world=world)
     print(report.explain(res, top=opts["top"], request=request if asked else None))
     if opts.get("json"):
-        doc = {"requested": report.plan_dict(asked) if asked else None,
+        doc = {"written_by": report.TOOL, "requested": report.plan_dict(asked) if asked else None,
                "best": report.plan_dict(report.plan(res.ranked[0].job)) if res.ranked else None}
         with open(opts["json"], "w") as f:
             json.dump(doc, f, indent=2)
@@ -90,9 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if res.ranked else 1
 
 
+def refuse_outputs(*paths) -> None:
+    """Before any work: the files named for the output must be new, or this tool's own earlier ones."""
+    for path in paths:
+        problem = path and outdir.file_problem(path, report.TOOL)
+        if problem:
+            raise ValueError(problem)
+
+
 def published(argv: list[str]) -> int:
-    png = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--png"), None) or \
-        next((a.split("=", 1)[1] for a in argv if a.startswith("--png=")), None)
+    png = _options(argv)[0].get("png")
+    try:
+        refuse_outputs(png)
+    except ValueError as e:
+        print(f"hpctrain.plan: error: {e}", file=sys.stderr)
+        return 2
     rows = pub.load()
     use = pub.usable(rows)
     presets = None

@@ -20,6 +20,7 @@ from typing import Optional
 
 from hpctrain.core.schema import ModelConfig, MoEConfig
 from hpctrain.core.spec import Knobs, Layout
+from hpctrain.plan.fit import BOUND
 from hpctrain.plan.memory import Job
 from hpctrain.plan.published import GPUS, cluster_for
 from hpctrain.plan.throughput import MEGATRON, Software, throughput
@@ -139,8 +140,6 @@ def predict(row: Row, grouped_gemm_efficiency: Optional[float] = None) -> float:
         job = job.with_(cluster=replace(job.cluster, grouped_gemm_efficiency=grouped_gemm_efficiency))
     return throughput(job, row.software).tokens_per_s / job.world
 
-
-BOUND = 0.15  # the target, as for the dense rows (hpctrain.plan.fit.BOUND)
 
 
 def error(row: Row) -> float:

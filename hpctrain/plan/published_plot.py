@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hpctrain.plan import published_moe
 from hpctrain.plan.fit import BOUND
+from hpctrain.plan.verdict import TOOL
 
 
 def points(dense: list, moe: list) -> dict:
@@ -73,6 +74,6 @@ def save_published_png(dense: list, moe: list, path: str) -> str:
     hist.set_title("held-out rows: error of the predicted tokens/s", fontsize=9)
     hist.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": TOOL})  # the mark outdir.file_problem reads
     plt.close(fig)
     return path

@@ -14,6 +14,8 @@ from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
 from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, throughput
 
+TOOL = "hpctrain.plan"  # what the files `python -m hpctrain.plan` writes say wrote them
+
 
 @dataclass
 class Plan:
@@ -208,7 +210,7 @@ def save_plan_png(plans: list, path: str) -> str:
         ax.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=7)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Software": TOOL})  # the mark outdir.file_problem reads
     plt.close(fig)
     return path
 
