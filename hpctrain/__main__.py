@@ -13,12 +13,12 @@ import sys
 from hpctrain.core import words
 from hpctrain.core.compose import ConfigError, to_yaml
 from hpctrain.checks.cluster_checks import SLURM_LAUNCHERS, partition_facts
-from hpctrain.checks.config_checks import check, compose_checked
+from hpctrain.checks.config_checks import advice, check, compose_checked
 from hpctrain.plan import duration
 from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.verdict import summary as plan_summary
 from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
-from hpctrain.core.flops import param_counts
+from hpctrain.core.flops import lora_params, param_counts
 from hpctrain.core.spec import engine_spec
 from hpctrain.core.schema import Config
 from hpctrain.core.reference import groups_help
@@ -71,6 +71,15 @@ def whole_run(cfg: Config, the_plan) -> str:
     return duration.describe(d) + (f"\nwarning: {problem}" if problem else "")
 
 
+def trainable(cfg: Config) -> tuple[int, int]:
+    """(trained, frozen) parameters: with LoRA (model.lora.rank > 0) the adapters are trained and every
+    weight of the model is frozen; otherwise every weight is trained."""
+    total = int(param_counts(cfg.model)["total"])
+    if cfg.model.lora.rank > 0:
+        return int(lora_params(cfg.model)), total
+    return total, 0
+
+
 def summary(cfg: Config) -> str:
     spec = engine_spec(cfg)
     params, lay = spec.params, spec.layout
@@ -78,12 +87,19 @@ def summary(cfg: Config) -> str:
     active = param_counts(cfg.model)["active"]
     moe = (f", {words.params(active)} active ({cfg.model.moe.top_k} of {cfg.model.moe.experts} experts a token)"
            if cfg.model.moe.experts else "")
+    trained, frozen = trainable(cfg)
+    what = f": LoRA rank {cfg.model.lora.rank} adapters" if cfg.model.lora.rank > 0 else ""
+    c = cfg.checkpoint
+    no_save = ("\nwarning: checkpoint.final=false and checkpoint.every=0: this run saves no checkpoint (but on a "
+               "preemption) and ends with nothing to export" if not c.final and c.every <= 0 else "")
     return (f"model {cfg.model.name}: {words.params(params)} parameters ({params:,}){moe}\n"
+            f"trainable: {trained:,} parameters ({100 * trained / (trained + frozen):.3g}%{what}), "
+            f"frozen: {frozen:,}\n"
             f"layout: {lay.describe()}, zero {cfg.parallel.zero}, {cfg.train.precision}\n"
             + (f"pipeline: {spec.pipeline.describe()}\n" if spec.pipeline and spec.pipeline.blocks else "") +
             f"batch: {cfg.train.global_batch} sequences x {cfg.data.seq_len} tokens = {tokens:,} tokens/step, "
             f"{cfg.train.steps} steps\n"
-            f"run dir: {cfg.run.dir}")
+            f"run dir: {cfg.run.dir}{no_save}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
         print(plan_summary(the_plan), flush=True)
         print(whole_run(cfg, the_plan), flush=True)
+        for line in advice(cfg):  # the run can start; it probably does not do what was meant
+            print(f"warning: {line}", flush=True)
         if cfg.dry_run:  # writes nothing, not even plan.json: run.dir may hold another run's
             if cfg.launcher.name == "sbatch":  # show the script; write nothing (no run dir on a dry run)
                 print(f"--- {cfg.run.dir}/{SCRIPT_NAME} (not written) ---")
@@ -145,5 +163,13 @@ def launch(cfg: Config, run_dir) -> int:
     raise AssertionError(f"launcher {cfg.launcher.name}: the schema admits no other")
 
 
+def entry() -> int:
+    try:
+        return main()
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (composing, planning): nothing to record
+        print("hpctrain: stopped (Ctrl-C) before the run started", file=sys.stderr, flush=True)
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -28,8 +28,13 @@ log = logging.getLogger("hpctrain")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = ("usage: python -m hpctrain.run <run_dir>\nWhat every rank runs, started by a launcher (local, srun, "
+             "torchrun, mpiexec) on a run directory hpctrain prepared; to train: python -m hpctrain [overrides]")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 1:
-        print("usage: python -m hpctrain.run <run_dir>", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     # A rank that dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT leaves every thread's Python stack
     # in its log (and the native one where Python can, 3.14 on).
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         report_error(adir, de.rank, e)
         return 2
+    except KeyboardInterrupt as e:  # a second SIGINT (hpctrain.train.preempt): stop now, as asked
+        report_error(adir, de.rank, e)
+        log.error("stopped at once by a second SIGINT (Ctrl-C), without saving")
+        return 130
     except BaseException as e:  # DCP raises BaseException subclasses; log them all, then fail the rank
         report_error(adir, de.rank, e)
         if is_echo(e):
@@ -144,5 +153,15 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def entry() -> int:
+    """main(), where a SIGINT that comes after training (the handler of hpctrain.train.preempt is gone
+    then) ends the rank quietly: the person asked it to stop, a traceback would say it failed."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("hpctrain: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
 if __name__ == "__main__":
-    exit_now(main())
+    exit_now(entry())

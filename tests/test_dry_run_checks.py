@@ -44,3 +44,16 @@ def test_slurm_never_refuses_a_kubernetes_job(cluster, capsys):
     assert main([*SEVENTY, *k8s, "cluster.partition=debug"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "kind: " in out and "skipped the partition check" not in out
+
+
+def test_a_dry_run_says_which_launcher_sizes_the_world(tmp_path, monkeypatch, capsys):
+    """A dry run prices what it would start: under launcher=local, launcher.nproc ranks on this machine, not
+    the GPUs of the cluster named; it says so, and how to plan the cluster (`python -m hpctrain.plan`
+    plans the cluster itself: tests/test_plan.py). Mutant caught: the 2 ranks planned without a word."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo
+    assert main(["+experiment=tiny", "cluster=h100", "cluster.nodes=2", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "world: 2 ranks, launcher.nproc=2 of launcher=local" in out
+    assert "not the 16 GPUs of cluster.nodes=2 x cluster.gpus_per_node=8. Fix: launcher=sbatch" in out
+    assert main(["+experiment=tiny", "dry_run=true"]) == 0  # a CPU cluster: nothing to say
+    assert "world:" not in capsys.readouterr().out

@@ -112,6 +112,56 @@ def test_rendered_ids_equal_transformers_apply_chat_template(example_corpus, tmp
             assert mask.sum() > 0
 
 
+def test_a_tokenizer_saved_by_current_transformers_renders_as_transformers_does(example_corpus, tmp_path):
+    """transformers' save_pretrained writes the template to chat_template.jinja, not tokenizer_config.json;
+    where both hold one, the file wins. prepare's shards equal transformers' apply_chat_template ids, and
+    carry the template. Mutants: chat_template.jinja not read (refused as a base tokenizer),
+    tokenizer_config.json's template preferred over the file, the file not copied beside the shards."""
+    from transformers import AutoTokenizer
+
+    saved = tmp_path / "saved"
+    AutoTokenizer.from_pretrained(str(tokenizer_dir(example_corpus, tmp_path, LLAMA3, "llama3"))).save_pretrained(saved)
+    cfg = json.loads((saved / "tokenizer_config.json").read_text())
+    assert (saved / chat.TEMPLATE_FILE).read_text() == LLAMA3 and "chat_template" not in cfg  # as transformers saves
+    cfg["chat_template"] = CHATML_MARKED  # a stale copy in the config: transformers reads the file
+    (saved / "tokenizer_config.json").write_text(json.dumps(cfg))
+    theirs = AutoTokenizer.from_pretrained(str(saved))
+    assert theirs.chat_template == LLAMA3
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": m, "tools": TOOLS} for m in CONVERSATIONS])
+    out = tmp_path / "shards"
+    meta = prepare_records(src, out, saved, "chat", val_fraction=0)
+    eos = meta["eos_id"]
+    want = [i for m in CONVERSATIONS for i in [*theirs.apply_chat_template(m, tools=TOOLS, tokenize=True,
+                                                                           return_dict=True)["input_ids"], eos]]
+    ids, _, _ = windows(out, 0)
+    assert ids.tolist() == want + [eos]  # and the last target
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template == LLAMA3  # the shards carry their template
+
+
+def test_template_files_are_read_only_as_small_regular_files(example_corpus, tmp_path, monkeypatch):
+    """A chat_template.jinja that is a FIFO is refused at once (reading it would wait for a writer), one
+    larger than hf_format.SMALL_FILE_BYTES before it is read. Mutants: no regular-file check, no size cap."""
+    import os
+
+    from hpctrain.core import hf_format
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((example_corpus / name).read_bytes())
+    os.mkfifo(d / chat.TEMPLATE_FILE)
+    with pytest.raises(chat.ChatError, match=r"chat_template.jinja is not a regular file \(a FIFO\)"):
+        chat.ChatTemplate.of(d / "tokenizer.json")
+    (d / chat.TEMPLATE_FILE).unlink()
+    (d / chat.TEMPLATE_FILE).write_text(CHATML_MARKED)
+    assert chat.ChatTemplate.of(d / "tokenizer.json").origin == str(d / chat.TEMPLATE_FILE)
+    limit = (d / "tokenizer_config.json").stat().st_size + 10
+    monkeypatch.setattr(hf_format, "SMALL_FILE_BYTES", limit)
+    (d / chat.TEMPLATE_FILE).write_text(CHATML_MARKED + "{#" + "x" * (limit - len(CHATML_MARKED)) + "#}")
+    with pytest.raises(chat.ChatError, match=f"chat_template.jinja is {limit + 4:,} bytes, more than such a file"):
+        chat.ChatTemplate.of(d / "tokenizer.json")
+
+
 def test_loss_mask_is_the_assistants_tokens(example_corpus, tmp_path):
     """transformers' return_assistant_tokens_mask on the same conversations (a template marking the
     assistant's text with {% generation %}). Mutants: spans from the full render instead of the
@@ -197,9 +247,12 @@ def test_prepare_refuses_what_it_cannot_train_on(example_corpus, tmp_path):
     base.mkdir()
     (base / "tokenizer.json").write_bytes(tok.read_bytes())
     (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    with pytest.raises(chat.ChatError, match="has no chat_template: a base model's tokenizer"):
+    with pytest.raises(chat.ChatError, match="has no chat_template, and .* has no chat_template.jinja: a base model's"):
         prepare_records(ok, tmp_path / "e", base / "tokenizer.json", "chat")
     assert not any((tmp_path / n).exists() for n in "abcde")  # nothing half-written
+    # a processor's chat_template.json is the last place looked in (mutant: not read)
+    (base / chat.PROCESSOR_TEMPLATE_FILE).write_text(json.dumps({"chat_template": CHATML_MARKED}))
+    assert chat.ChatTemplate.of(base / "tokenizer.json").origin == f"{base / chat.PROCESSOR_TEMPLATE_FILE}'s chat_template"
 
 
 def test_prepare_cli_prints_what_to_train_with(example_corpus, tmp_path, capsys):
@@ -208,18 +261,76 @@ def test_prepare_cli_prints_what_to_train_with(example_corpus, tmp_path, capsys)
     assert main([str(example_corpus / "chat.jsonl"), str(tmp_path / "s"), "--tokenizer",
                  str(example_corpus / "tokenizer.json"), "--format", "chat", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
-    assert "trained)" in out and "data.seq_len=64 data.document_mask=true" in out
+    # +experiment=sft: model=hf (the shape from model.init_from), document masking; the windows' length
+    assert "trained)" in out and (f"python -m hpctrain +experiment=sft model.init_from=MODEL_DIR "
+                                  f"data.path={(tmp_path / 's').resolve()} data.seq_len=64\n") in out
+    assert "MODEL_DIR: the Hugging Face model to fine-tune" in out
+    # --tokenizer naming a model directory: that model is the one to fine-tune
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((example_corpus / name).read_bytes())
+    (model / "config.json").write_text("{}")
+    assert main([str(example_corpus / "chat.jsonl"), str(tmp_path / "u"), "--tokenizer", str(model),
+                 "--format", "chat"]) == 0
+    out = capsys.readouterr().out
+    assert f"+experiment=sft model.init_from={model.resolve()} data.path={(tmp_path / 'u').resolve()}\n" in out
     assert main([str(example_corpus / "chat.jsonl"), str(tmp_path / "t"), "--format", "chat"]) == 2
     assert "--format chat needs --tokenizer" in capsys.readouterr().err
+
+
+def test_packed_chat_without_document_mask_is_warned_on_the_login_node(chat_shards, example_corpus, tmp_path):
+    """Packed conversations (meta.json's "packed") trained without data.document_mask attend to each
+    other: the login node warns, and says so in `python -m hpctrain`'s output. Mutants: the warning not
+    printed, prepare not recording --no-pack (its windows hold one record: nothing to warn about), the
+    warning given with data.document_mask=true."""
+    from hpctrain.checks.config_checks import advice
+    from hpctrain.core.compose import compose
+
+    from helpers import run_main
+
+    common = ["+experiment=tiny", "data.source=shards", "model.vocab_size=512", "data.seq_len=64"]
+    assert json.loads((chat_shards / "meta.json").read_text())["packed"] is True
+    said = advice(compose([*common, f"data.path={chat_shards}"]))
+    assert len(said) == 1 and "packed several to a sample, but data.document_mask=false" in said[0]
+    assert "Fix: data.document_mask=true data.document_positions=true" in said[0]
+    assert advice(compose([*common, f"data.path={chat_shards}", "data.document_mask=true"])) == []
+    alone = tmp_path / "alone"
+    meta = prepare_records(example_corpus / "chat.jsonl", alone, example_corpus / "tokenizer.json", "chat", seq_len=64,
+                           pack=False, val_fraction=0)
+    assert meta["packed"] is False and advice(compose([*common, f"data.path={alone}"])) == []
+    done = run_main("hpctrain", *common, f"data.path={chat_shards}", "dry_run=true")
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {said[0]}" in done.stdout
 
 
 # --- adapters through PEFT's format ---------------------------------------------------------------
 
 
+def as_published(base: Path, example_corpus: Path, tmp: Path) -> None:
+    """Give a base model directory what a published one holds beside its weights, written by transformers:
+    config.json's max_position_embeddings (512, longer than the tiny run's 64) and bos/eos ids, a
+    generation config (reached through a symlink inside the directory, as in a download cache's snapshot),
+    a tokenizer saved with its template in chat_template.jinja; and a chat_template.json that is a symlink
+    out of the directory, which the export must not copy."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(max_position_embeddings=512, bos_token_id=1, eos_token_id=[2, 3])
+    (base / "config.json").write_text(json.dumps(cfg))
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], do_sample=True, temperature=0.6,
+                     top_p=0.9).save_pretrained(base / "blobs")
+    (base / "generation_config.json").symlink_to(Path("blobs") / "generation_config.json")
+    AutoTokenizer.from_pretrained(str(tokenizer_dir(example_corpus, tmp, LLAMA3, "base_tokenizer"))).save_pretrained(base)
+    (tmp / "elsewhere.json").write_text(json.dumps({"chat_template": "{{ 'not the base model\'s' }}"}))
+    (base / "chat_template.json").symlink_to(tmp / "elsewhere.json")
+
+
 @pytest.fixture(scope="module")
-def lora_run(world_of_one, tmp_path_factory):
+def lora_run(world_of_one, example_corpus, tmp_path_factory):
     """A one-rank LoRA run from a Hugging Face base (hpctrain's initial weights written by
-    tests/reference.py), trained 3 steps at a high learning rate so that B moves off zero, saved."""
+    tests/reference.py, with the files of a published model: as_published), trained 3 steps at a high
+    learning rate so that B moves off zero, saved."""
     from hpctrain.core.compose import compose
     from hpctrain.train.loop import Trainer
 
@@ -229,6 +340,7 @@ def lora_run(world_of_one, tmp_path_factory):
     common = ["+experiment=tiny", "train.global_batch=4", "train.micro_batch=2", "optim.lr=0.01", "optim.warmup_steps=0",
               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,v_proj,o_proj,down_proj]"]
     base = hf_dir(compose(common), d / "base")
+    as_published(base, example_corpus, d)
     cfg = compose([*common, f"model.init_from={base}", "train.steps=3", "checkpoint.every=3", f"run.dir={d / 'run'}"])
     t = Trainer(cfg, str(d / "run"), torch.device("cpu"))
     t.fit()
@@ -266,6 +378,87 @@ def test_exported_adapter_loads_in_peft_with_the_same_logits(lora_run, tmp_path)
     assert not any("lora" in n for n, _ in plain.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=lora_run["x"]).logits, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_the_hf_export_of_a_fine_tuned_model_keeps_its_bases_settings(lora_run, tmp_path):
+    """The merged export of a run trained at data.seq_len 64 from a base with max_position_embeddings 512,
+    as transformers loads it: the base's 512, bos/eos ids, generation config and chat template (the
+    tokenizer's, rendering as the base's does); the symlink out of the base is not followed. Mutants:
+    max_position_embeddings from data.seq_len, bos/eos ids left null, generation_config.json or
+    chat_template.jinja not copied, copying what a symlink leads to outside the base."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from hpctrain.core.rundir import read_info
+    from helpers import run_main
+
+    base, out = lora_run["base"], tmp_path / "hf"
+    assert read_info(lora_run["step"])["config"]["data"]["seq_len"] == 64
+    done = run_main("hpctrain.checkpoint", "export", str(lora_run["step"]), str(out), "--format", "hf")
+    assert done.returncode == 0, done.stderr
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.max_position_embeddings, cfg.bos_token_id, cfg.eos_token_id) == (512, 1, [2, 3])
+    assert GenerationConfig.from_pretrained(out).to_dict() == GenerationConfig.from_pretrained(base).to_dict()
+    assert GenerationConfig.from_pretrained(out).temperature == 0.6
+    assert not (out / "generation_config.json").is_symlink()
+    ours, theirs = AutoTokenizer.from_pretrained(str(out)), AutoTokenizer.from_pretrained(str(base))
+    assert ours.chat_template == LLAMA3
+    assert ours.apply_chat_template(CONVERSATIONS[1], tools=TOOLS, tokenize=True, return_dict=True)["input_ids"] == \
+        theirs.apply_chat_template(CONVERSATIONS[1], tools=TOOLS, tokenize=True, return_dict=True)["input_ids"]
+    assert not (out / "chat_template.json").exists()
+    assert f"note: {base / 'chat_template.json'} leads outside {base}" in done.stderr
+
+
+def tiny_checkpoint(step: Path, run_config: dict) -> Path:
+    """A checkpoint as the export reads it, without training: a 1-layer Llama's weights saved by DCP,
+    and hpctrain.json with `run_config` (its model keys filled in)."""
+    import dataclasses
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from hpctrain.checkpoint.raw import RawWriter
+    from hpctrain.core.rundir import INFO
+    from hpctrain.core.schema import ModelConfig
+    from hpctrain.models.llama import Llama
+
+    m = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=512)
+    torch.manual_seed(0)
+    weights = {n: p.detach() for n, p in Llama(m, 16).named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": weights}, storage_writer=RawWriter(str(step), thread_count=1), no_dist=True)
+    (step / INFO).write_text(json.dumps({"config": {**run_config, "model": dataclasses.asdict(m)}}))
+    return step
+
+
+def test_the_hf_export_without_a_base_takes_the_tokenizers_ids(example_corpus, tmp_path):
+    """A model trained from scratch on shards prepared with a tokenizer saved by current transformers
+    (its template in chat_template.jinja): config.json's bos and eos ids are the copied tokenizer's (eos:
+    the shards' end-of-document id), generation_config.json says the same, as transformers'
+    GenerationConfig.from_model_config would; max_position_embeddings is data.seq_len; the template
+    travels from the shards into the export. Mutants: bos_token_id left null, no generation_config.json,
+    chat_template.jinja not copied with the tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from hpctrain.checkpoint.hf_weights import export_hf
+    from hpctrain.data.example import CHAT_TEMPLATE
+
+    AutoTokenizer.from_pretrained(str(example_corpus)).save_pretrained(tmp_path / "tok")
+    assert "chat_template" not in json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    meta = prepare_records(src, tmp_path / "shards", tmp_path / "tok", "chat", seq_len=64, val_fraction=0)
+    step = tiny_checkpoint(tmp_path / "step-00000001", {"data": {"seq_len": 64, "path": str(tmp_path / "shards")}})
+    notes: list = []
+    export_hf(step, tmp_path / "hf", notes=notes)
+    assert notes == []
+    cfg, tok = AutoConfig.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert cfg.max_position_embeddings == 64
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (tok.bos_token_id, meta["eos_id"]) == (tok.bos_token_id, tok.eos_token_id)
+    assert cfg.bos_token_id is not None
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    want, have = GenerationConfig.from_model_config(cfg), GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert [getattr(have, k) for k in ids] == [getattr(want, k) for k in ids] == [cfg.bos_token_id, meta["eos_id"], None]
+    assert tok.chat_template == CHAT_TEMPLATE
 
 
 def test_a_peft_adapter_is_imported_to_continue(lora_run, tmp_path):

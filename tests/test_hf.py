@@ -226,3 +226,51 @@ def test_config_round_trip():
     keys = hf.model_keys(hf.to_config(m, 8192))
     assert hf.mismatches(m, keys) == []
     assert keys["rope_scaling"] == 8.0 and keys["n_kv_heads"] == 8
+
+
+def test_hf_format_config_prints_the_model_keys(tmp_path):
+    """`python -m hpctrain.core.hf_format config DIR` (model.init_from's help names it) prints the model
+    keys of DIR's config.json as overrides, which compose to a model that config.json agrees with; a bad
+    DIR is an error, exit 2. (tests/test_docs.py checks that every command the text names exists.)
+    Mutants: hf_format without its __main__ block (the command printed nothing and exited 0), a key
+    printed in a form the command line reads otherwise (a bool as Python's True)."""
+    import subprocess
+
+    other = compose(["+experiment=tiny", "model.dim=64", "model.ffn_dim=96", "model.rope_theta=5e5",
+                     "model.tie_embeddings=true"]).model
+    (tmp_path / hf.CONFIG).write_text(json.dumps(hf.to_config(other, 64)))
+    done = subprocess.run([sys.executable, "-m", "hpctrain.core.hf_format", "config", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert "model.dim=64" in lines and "model.tie_embeddings=true" in lines
+    model = compose(["+experiment=tiny", *lines]).model
+    assert hf.mismatches(model, hf.model_keys(hf.read_config(tmp_path))) == []
+    done = subprocess.run([sys.executable, "-m", "hpctrain.core.hf_format", "config", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "is not a directory" in done.stderr
+
+
+def test_a_base_in_the_download_cache_is_confined_to_its_repository_folder(tmp_path):
+    """huggingface_hub's cache: snapshots/REV/config.json -> ../../blobs/HASH. Its blobs are the model's
+    own files and are copied; a link out of models--ORG--NAME is not. Mutants: confined to the snapshot
+    folder (the cache's tokenizer and config left out of every export); no confinement at all."""
+    from hpctrain.core.hf_format import inside
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "deadbeef").write_text("{}")
+    (snap / "config.json").symlink_to("../../blobs/deadbeef")
+    (tmp_path / "secret").write_text("key")
+    (snap / "tokenizer.json").symlink_to(tmp_path / "secret")
+    real, why = inside(snap, "config.json")
+    assert (real, why) == (repo / "blobs" / "deadbeef", None)
+    real, why = inside(snap, "tokenizer.json")
+    assert real is None and "leads outside" in why, why
+    # A plain directory named like a snapshot but outside any cache repository stays confined to itself.
+    plain = tmp_path / "snapshots" / "x"
+    plain.mkdir(parents=True)
+    (plain / "config.json").symlink_to("../../secret")
+    assert inside(plain, "config.json")[0] is None

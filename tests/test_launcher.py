@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,24 @@ def test_rank_env():
 def test_signal_name():
     assert signal_name(-9) == "SIGKILL"
     assert signal_name(-15) == "SIGTERM"
+
+
+def test_rank_0_log_gets_each_update_of_the_terminals_progress_line_as_a_line(tmp_path, capfd):
+    """On a terminal the progress line updates in place (a carriage return and erase-line before each
+    update); logs/rank-0.log gets the same bytes with each update on a line of its own, and the other
+    stream's text on lines of their own. Mutant: the bytes copied as they are (one unreadable line)."""
+    from hpctrain.launch.local import Tee
+
+    tee = Tee(tmp_path / "rank-0.log")
+    out, err = tee.pipe(1), tee.pipe(2)
+    for fd, data in ((out, b"\r\x1b[K[---] step 1/3"), (out, b"\r\x1b[K[#--] step 2/3"), (err, b"a warning\n"),
+                     (out, b"\r\x1b[Kresumed\n"), (out, b"\r\x1b[K[###] step 3/3\n")):
+        os.write(fd, data)
+        time.sleep(0.05)  # one stream at a time, in this order
+    os.close(out)
+    os.close(err)
+    tee.close()
+    assert capfd.readouterr() == ("\r\x1b[K[---] step 1/3\r\x1b[K[#--] step 2/3\r\x1b[Kresumed\n\r\x1b[K[###] step 3/3\n",
+                                  "a warning\n")
+    assert (tmp_path / "rank-0.log").read_text().splitlines() == [
+        "[---] step 1/3", "[#--] step 2/3", "a warning", "resumed", "[###] step 3/3"]

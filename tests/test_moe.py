@@ -351,12 +351,16 @@ EP_COMMON = ("+experiment=tiny", "model=moe_tiny", "train.steps=9", "train.globa
 
 
 @pytest.fixture(scope="module")
-def ep2_run(tmp_path_factory):
+def ep2_launch(tmp_path_factory):
     """moe_tiny at ep 2 for 9 steps, checkpoints at 3, 6 and 9: the uninterrupted run the resumes are
-    compared with, and the checkpoint the export reads."""
+    compared with, and the checkpoint the export reads; with what it printed."""
     d = tmp_path_factory.mktemp("ep2") / "run"
-    run_cli(*EP_COMMON, "parallel.ep=2", f"run.dir={d}")
-    return d
+    return d, run_cli(*EP_COMMON, "parallel.ep=2", f"run.dir={d}")
+
+
+@pytest.fixture(scope="module")
+def ep2_run(ep2_launch):
+    return ep2_launch[0]
 
 
 def back_to(run: Path, step: int, dst: Path) -> Path:
@@ -400,6 +404,33 @@ def test_resume_on_the_same_ep_is_bit_identical_and_on_other_ep_sizes_within_1e_
     assert len(got) == 9
     for step, (a, b) in enumerate(zip(got, want), 1):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (step, a, b)
+
+
+@pytest.mark.slow
+def test_expert_load_in_the_progress_line_and_per_layer_in_the_report(ep2_launch, tmp_path, monkeypatch):
+    """Each logged step's progress line shows the least and most loaded expert's share (of any layer);
+    metrics.jsonl keeps them per MoE layer too, and router.png draws them per layer against the steps.
+    Mutants: the progress line without them; per-layer values not the layer's own (their extremes are not
+    the step's); the report's per-layer heat map of other numbers, or not drawn."""
+    from hpctrain.report import run_report as R
+
+    d, proc = ep2_launch
+    rows = read_metrics(d)
+    for r in rows:
+        line = next(line for line in proc.stdout.splitlines() if f" step {r['step']}/9 " in line)
+        assert f"  expert share {r['expert_share_min']:.2f}-{r['expert_share_max']:.2f}" in line, line
+        assert r["moe_layers"] == [0, 1]  # moe_tiny: both blocks route
+        lo, hi = r["expert_share_min_by_layer"], r["expert_share_max_by_layer"]
+        assert len(lo) == len(hi) == 2 and all(a <= 1.0 <= b for a, b in zip(lo, hi))
+        assert min(lo) == pytest.approx(r["expert_share_min"], abs=1e-4)
+        assert max(hi) == pytest.approx(r["expert_share_max"], abs=1e-4)
+    drawn = []
+    monkeypatch.setattr(R, "_save", lambda fig, path: drawn.append(fig) or path.name)
+    assert R.plot_router(R.load(d), tmp_path) == "router.png"
+    per_layer = {ax.get_title(): ax for ax in drawn[0].axes if ax.get_images() and "layer" in ax.get_ylabel()}
+    for what, key in (("most", "expert_share_max_by_layer"), ("least", "expert_share_min_by_layer")):
+        image = per_layer[f"the {what} loaded expert of each MoE layer"].get_images()[0].get_array()
+        assert image.tolist() == [[r[key][layer] for r in rows] for layer in (0, 1)]  # layers x steps
 
 
 @pytest.mark.slow

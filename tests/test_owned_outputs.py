@@ -296,7 +296,7 @@ def test_a_sharded_export_over_a_single_file_export_leaves_no_old_weights(step_d
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1
     # transformers loads model.safetensors before an index: it must be gone.
-    assert sorted(os.listdir(out)) == sorted([MARKER, hf.CONFIG, hf.INDEX, *shards])
+    assert sorted(os.listdir(out)) == sorted([MARKER, hf.CONFIG, "generation_config.json", hf.INDEX, *shards])
     assert not siblings(out)
 
 

@@ -475,7 +475,7 @@ def test_hardware_flops_add_the_recomputed_forward():
     t = throughput(none)
     assert t.hw_tflops_per_gpu == pytest.approx(t.tflops_per_gpu)
     m, s = full.model, full.knobs.seq_len
-    attn = 4 * m.n_layers * m.dim * s  # the forward's attention scores, per token
+    attn = 2 * m.n_layers * m.dim * s  # the forward's attention scores per token, over the causal half
     model = 6 * (param_counts(m)["total"] - m.vocab_size * m.dim) + 3 * attn
     for sw, rerun in ((MEGATRON, 2 * param_counts(m)["blocks"] + attn),
                       (HPCTRAIN, 2 * (param_counts(m)["blocks"] - m.n_layers * m.ffn_dim * m.dim) + attn)):
@@ -517,7 +517,7 @@ def test_checkpointed_block_reruns_what_the_planner_prices():
         return sum(v for k, v in counter.get_flop_counts()["Global"].items() if str(k) in ("aten.mm", "aten.bmm"))
 
     rerun = backward_flops("full") - backward_flops("none")
-    attention = 4 * m.n_heads * (m.dim // m.n_heads) * s
+    attention = 2 * m.n_heads * (m.dim // m.n_heads) * s  # the forward's scores over the causal half
     priced = recompute_flops_per_token(m, s, 1, last_linear=False) - attention - 2 * 2 * m.dim  # less the norm weights
     assert rerun == pytest.approx(priced * b * s, rel=1e-9)
     whole = recompute_flops_per_token(m, s, 1) - attention - 2 * 2 * m.dim
@@ -575,3 +575,117 @@ def test_grad_sync_microbatch_with_pipelining_is_refused():
     assert proc.returncode == 2
     assert "parallel.grad_sync=microbatch does not apply with pipelining" in proc.stderr
     assert "Fix: parallel.grad_sync=auto" in proc.stderr
+
+
+# --- issue 42: the planner answers the question asked -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_gpu_cluster_sizes_the_planners_world():
+    """`python -m hpctrain.plan model=qwen3_30b_a3b cluster=h100 cluster.nodes=2` planned the 2 ranks of
+    launcher=local's nproc, silently. Now the cluster's GPUs, said so; a launcher named stands. Mutant caught:
+    the planner sized by the launcher (login.world_rule adding no launcher): a world of 2."""
+    from hpctrain.plan.__main__ import request_of
+
+    asked = ["model=qwen3_30b_a3b", "cluster=h100", "cluster.nodes=2"]
+    cfg, note = request_of(asked)
+    job = job_of(cfg)
+    assert (job.world, job.cluster.nodes) == (16, 2)
+    assert "16 GPUs, cluster.nodes=2 x cluster.gpus_per_node=8" in note and "launcher.nproc=N" in note
+    cfg, note = request_of([*asked, "launcher.nproc=4"])  # asked for: 4 ranks on this machine
+    assert job_of(cfg).world == 4 and "launcher.nproc=4" in note and "Fix: launcher=sbatch" in note
+    cfg, note = request_of(["+experiment=tiny"])  # a CPU cluster: the local launcher's ranks, nothing to say
+    assert job_of(cfg).world == 2 and not note
+
+
+MASKED_128K = ["+experiment=llama31_8b_128k", "data.document_mask=true", "data.eos_id=2", "data.synthetic_doc_len=2048"]
+
+
+def test_a_document_masked_plan_counts_the_flops_it_computes():
+    """llama31_8b_128k with a document mask printed MFU 150%: its FLOPs counted all of attention (PaLM's
+    whole s x s), its time only the pairs the mask keeps. The FLOPs counted are those computed, written
+    out here: 6 per matmul parameter and token, and QK^T and PV (2 x 2 x heads x head_dim a pair forward,
+    twice that backward) over the causal half of the keys times the share the mask keeps (documents of
+    exponential length L: (2L/s)(1 - (L/s)(1 - e^(-s/L)))). Mutants caught: the mask's share left out of
+    the FLOPs (MFU 150%); the whole s x s counted (the causal half not)."""
+    import math
+
+    job = job_of(compose(MASKED_128K))
+    t = throughput(job)
+    m, s, L = job.model, job.knobs.seq_len, 2048
+    kept = (2 * L / s) * (1 - (L / s) * (1 - math.exp(-s / L)))
+    c = param_counts(m)
+    matmuls = 6 * (c["total"] - c["embedding"])  # untied: the output projection is a matmul, the lookup is not
+    attention = 3 * 2 * 2 * m.n_layers * m.n_heads * (m.dim // m.n_heads) * (s / 2) * kept
+    counted = t.tflops_per_gpu * 1e12 * t.step_time_s * job.world
+    assert counted == pytest.approx((matmuls + attention) * job.knobs.global_batch * s, rel=1e-9)
+    assert 0.05 < t.mfu <= 1.0
+    assert "the causal half x the 3.1% the document mask keeps" in summary(plan(job))
+
+
+def test_the_megatron_count_is_narayanan_eq3():
+    """Beside its own FLOPs the plan prints Megatron-LM's: Narayanan et al. 2021 eq. (3),
+    F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per iteration (the whole s x s attention, the recompute
+    forward counted), and the same without the recompute forward (72 for the blocks, as Megatron-LM r0.8
+    logs it for its README's tables), computed here from their Table 1's GPT 1.7B row. Mutants caught: the causal half in
+    Megatron's count, eq. (3) without its recompute term, the logits recomputed too."""
+    from hpctrain.plan import published as P
+    from hpctrain.plan.throughput import megatron_flops_per_token
+
+    row = next(p for p in P.load() if p.row["source"] == "narayanan2021_table1" and p.row["model"] == "GPT 1.7B")
+    job = row.candidates[0]
+    m, s = job.model, job.knobs.seq_len
+    h, l, v = 2304, 24, 51200
+    assert (m.dim, m.n_layers, m.vocab_size, s) == (h, l, v, 2048)
+    eq3 = 96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / s  # per token (B s tokens an iteration)
+    logged = eq3 - 96 * l * h * h * (1 + s / (6 * h)) / 4  # less the recomputed forward of the blocks
+    assert megatron_flops_per_token(m, s, recompute=True) == pytest.approx(eq3, rel=1e-12)
+    assert megatron_flops_per_token(m, s, recompute=False) == pytest.approx(logged, rel=1e-12)
+    # the published TFLOP/s, converted with the source's own rule, come back through the planner's count
+    assert row.tokens * megatron_flops_per_token(m, s) / 1e12 == pytest.approx(float(row.row["hw_tflops_per_gpu"]))
+    p = plan(job)
+    doc = plan_dict(p)
+    per_gpu = p.time.tokens_per_s / job.world
+    assert doc["megatron_eq3_tflops_per_gpu"] == pytest.approx(per_gpu * eq3 / 1e12)
+    assert doc["megatron_tflops_per_gpu"] == pytest.approx(per_gpu * logged / 1e12)
+    assert f"{per_gpu * logged / 1e12:.3g} TFLOP/s per GPU without its recompute term" in summary(p)
+    assert f"{per_gpu * eq3 / 1e12:.3g} with it" in summary(p)
+
+
+@pytest.mark.slow
+def test_the_planner_refuses_a_document_mask_without_documents_as_the_dry_run_does(monkeypatch, capsys):
+    """A document mask on synthetic data without data.eos_id: `hpctrain.plan` priced it (and ranked
+    layouts, exit 0) where the dry run refused it. Both refuse it now, with the one check's words.
+    Mutant caught: the planner without the refusal."""
+    from hpctrain.__main__ import main as hpctrain_main
+    from hpctrain.checks.config_checks import document_problems
+    from hpctrain.plan.__main__ import main as plan_main
+
+    monkeypatch.setattr("hpctrain.checks.cluster_checks.partition_facts", lambda *a, **k: None)
+    asked = ["+experiment=llama31_8b_128k", "data.document_mask=true"]
+    (why,) = document_problems(compose(asked))
+    assert "needs data.eos_id" in why
+    assert plan_main(asked) == 2
+    assert why in capsys.readouterr().err
+    assert hpctrain_main([*asked, "dry_run=true"]) == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_masked_context_parallel_on_cuda_is_refused_not_priced():
+    """On CUDA a document mask under cp runs hpctrain's chunk pairs as fp32 matmuls over whole 8K x 8K
+    score matrices, which the planner prices neither in memory nor in time: the login node refuses it
+    (config checks, hence dry runs and launches) and the search ranks no such layout. On CPU ranks (the
+    CPU flash kernel, priced) it stands. Mutants caught: the check without the rule; the search without
+    it (cp 8 layouts ranked)."""
+    from hpctrain.checks.config_checks import problems
+
+    cfg = compose(MASKED_128K)
+    refused = [p for p in problems(cfg) if "on CUDA with hpctrain's attention kernel" in p]
+    assert len(refused) == 1 and "8192 x 8192" in refused[0] and "Fix: data.document_mask=false" in refused[0]
+    assert not [p for p in problems(compose([*MASKED_128K, "cluster=cpu"])) if "hpctrain's attention kernel" in p]
+    assert not [p for p in problems(compose(MASKED_128K[:1])) if "hpctrain's attention kernel" in p]  # torch's ring
+    job = job_of(cfg)
+    res = search(job, Space(zeros=(3,), offloads=("none",), acs=("full",), micro_batches=(1,)))
+    assert res.failures["cp on CUDA with hpctrain's kernel (unpriced)"] > 0
+    assert all(c.job.knobs.layout.cp == 1 for c in res.ranked)

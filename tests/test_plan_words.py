@@ -65,3 +65,59 @@ def test_a_cpu_cluster_plans_per_rank():
     request = job_of(compose(["+experiment=tiny"]))
     text = explain(search(request), request=request)
     assert "/rank" in text.splitlines()[1] and "/GPU" not in text
+
+
+def test_the_table_and_the_plot_tell_ep_and_cp_apart():
+    """Two qwen3_30b_a3b layouts that differ only in expert parallel read the same in the ranked table
+    (issue 42); a 128K layout's cp was not in it either. Mutants caught: the table without its ep or cp
+    column; the plot's label without ep."""
+    from dataclasses import replace
+
+    from hpctrain.plan.search import Candidate
+    from hpctrain.plan.memory import memory
+    from hpctrain.plan.throughput import throughput
+    from hpctrain.plan.verdict import table
+
+    def candidate(job):
+        return Candidate(job=job, problems=[], memory=memory(job), time=throughput(job))
+
+    moe = job_of(compose(["model=qwen3_30b_a3b", "cluster=h100", "cluster.nodes=2", "launcher=sbatch"]))
+    lay = moe.knobs.layout
+    long = job_of(compose(["+experiment=llama31_8b_128k"]))
+    cands = [candidate(moe.with_(layout=replace(lay, ep=e))) for e in (1, 8)] + [candidate(long)]
+    head, *rows = table(cands).splitlines()
+    cols = head.split()
+    assert [r.split()[cols.index("ep")] for r in rows] == ["1", "8", "1"]
+    assert [r.split()[cols.index("cp")] for r in rows] == ["1", "1", "8"]
+    assert rows[0].split()[1:] != rows[1].split()[1:]  # past the rank
+    assert [short(c.job).split()[3] for c in cands[:2]] == ["zero3", "ep8"]
+    assert " cp8 " in short(long)
+
+
+SINFO_CPU_ONLY = "debug*|n1|4|(null)|infinite\n"
+
+
+def test_a_layout_refused_by_the_partition_alone_is_labelled_so(monkeypatch, tmp_path):
+    """The live Slurm has no GPU partition: the requested layout fits its GPUs, but the partition check
+    refuses the job. The plot said "does not fit"; it names the partition check now, and "does not fit"
+    stays for device memory. Mutant caught: every refusal labelled "does not fit"."""
+    import matplotlib.pyplot as plt
+
+    from hpctrain.checks.cluster_checks import parse_sinfo
+    from hpctrain.plan.__main__ import request_of, requested
+    from hpctrain.plan.verdict import refusal
+
+    monkeypatch.setattr("hpctrain.checks.cluster_checks.partition_facts", lambda *a, **k: parse_sinfo(SINFO_CPU_ONLY))
+    cfg, _ = request_of(["+experiment=70b", "cluster.nodes=2", "parallel.dp_shard=2"])
+    asked, found = requested(cfg, job_of(cfg))
+    assert asked.memory.fits and asked.problems == asked.partition == found
+    assert "no node of the default partition (debug) has more than 0 GPUs" in found[0]
+    over = plan(asked.job.with_(zero=0))  # device memory
+    seen = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: seen.append(fig))
+    save_plan_png([("requested", asked), ("zero 0", over)], str(tmp_path / "plan.png"))
+    speed = seen[0].axes[1]
+    labels = [t.get_text() for t in speed.texts]
+    assert "refused by the partition check" in labels[0] and "does not fit" not in labels[0]
+    assert "does not fit" in labels[1] and refusal(over).startswith("does not fit")
+    plt.close("all")

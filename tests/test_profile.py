@@ -170,8 +170,9 @@ def test_fit_preempted_inside_the_window_then_resumed(world_of_one, tmp_path):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["mem_forward_bytes"] > 0 and r["mem_backward_bytes"] > 0 for r in rows)
-    # checkpoint.every=0: the one save is the preemption's, measured with its step
-    assert [r["step"] for r in rows if "mem_checkpoint_bytes" in r] == [3]
+    # checkpoint.every=0: the saves are the preemption's and the last step's (checkpoint.final), each
+    # measured with its step
+    assert [r["step"] for r in rows if "mem_checkpoint_bytes" in r] == [3, 6]
 
 
 # --- refused on the login node --------------------------------------------------------------------

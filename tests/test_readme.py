@@ -56,7 +56,8 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
         proc.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "text" / "hf").iterdir()) == [
         ".hpctrain-output.json",  # the export's marker: a second export may replace the directory
-        "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer_config.json"]
 
 
 def sample_lines() -> list[str]:

@@ -4,13 +4,18 @@ stopped rank, a lost node, an unhealthy node) are in test_slurm_faults.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hpctrain.core.rundir import read_jsonl
+from hpctrain.core.rundir import list_complete, read_jsonl
 
-from helpers import run_cli
+from helpers import REPO, run_cli, wait_until
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains a model
 
@@ -87,3 +92,42 @@ def test_max_restarts_zero_stops_at_the_first_failure(tmp_path):
         # Mutant: the old traceback.print_exc() for every error.
         assert "a peer rank went away" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert json.loads(echo.read_text())["traceback"][0].startswith("Traceback (most recent call last)")
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback_and_is_recorded(tmp_path):
+    """Ctrl-C twice, as a person who will not wait for the save: SIGINT to the launcher (the process this
+    test started, by its pid) once a step is logged, then again once the launcher has passed the first on,
+    then a third. Steps of 1.5 s (slow_step) keep the ranks from reaching the save the first asked for.
+    The ranks stop at once; the launcher says so once; no traceback; interruptions.jsonl has the stop.
+    Mutant: the old launcher, which passed the second SIGINT on like the first (said twice; each rank
+    raised KeyboardInterrupt, rank 0's traceback on the terminal)."""
+    run, out, err = tmp_path / "run", tmp_path / "stdout", tmp_path / "stderr"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCTRAIN_FAULT="slow_step:ms=1500")
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "+experiment=tiny", "train.steps=100",
+                                 f"run.dir={run}"], cwd=REPO, env=env, stdout=o, stderr=e)
+    try:
+        wait_until(lambda: proc.poll() is not None or (run / "metrics.jsonl").exists()
+                   and (run / "metrics.jsonl").read_text().strip(), "a logged step", timeout_s=300)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        wait_until(lambda: proc.poll() is not None or "passing SIGINT" in err.read_text(),
+                   "the launcher passing the first Ctrl-C on", timeout_s=60)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = out.read_text() + err.read_text()
+    assert rc == 130, said[-3000:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert said.count("passing SIGINT") == 1
+    assert said.count("hpctrain: second Ctrl-C (SIGINT): stopping rank(s) 0, 1 now, without saving") == 1, said[-3000:]
+    (rec,) = read_jsonl(run / "interruptions.jsonl")
+    assert rec["cause"] == "stopped" and "second Ctrl-C" in rec["detail"], rec
+    assert list_complete(run / "checkpoints") == []  # it did not wait for the save
+    assert "no checkpoint was written before the run ended" in said  # the summary of a run that ends so

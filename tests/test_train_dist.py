@@ -1,6 +1,7 @@
 """Multi-rank training on CPU/gloo against the single-process reference, through the real CLI."""
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from hpctrain.core.compose import compose
 from hpctrain.train.metrics import read_metrics
 
-from helpers import run_cli
+from helpers import run_cli, run_main
 from reference import reference_losses
 
 STEPS = 6
@@ -37,12 +38,26 @@ def test_tiny_experiment_loss_falls(tmp_path):
     assert first > 5.0  # ~ln(256) at initialization
     assert last < 0.5 * first, [r["loss"] for r in rows]
     assert "step 30/30" in proc.stdout and "tok/s" in proc.stdout and "eta" in proc.stdout
+    # No checkpoint key given: the last step is saved (checkpoint.final), and the command the summary
+    # gives exports it for transformers. Mutant: the old default (nothing saved, nothing to export).
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000030"]
+    (export,) = [line.split(": ", 2)[2] for line in proc.stderr.splitlines()
+                 if line.startswith("hpctrain:   export it for transformers: ")]
+    argv = shlex.split(export)
+    assert argv[:5] == ["python", "-m", "hpctrain.checkpoint", "export", str(tmp_path / "checkpoints" / "step-00000030")]
+    done = run_main("hpctrain.checkpoint", *argv[3:])
+    assert done.returncode == 0, done.stderr
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "hf").iterdir()}
 
 
 @pytest.mark.slow
 def test_bf16_mixed_precision_tracks_fp32(tmp_path, reference):
     """bf16 compute with fp32 master weights and fp32 gradient reduction stays near the fp32 run."""
-    run_cli(*COMMON, "train.precision=bf16", f"run.dir={tmp_path}")
+    # Saving off (no final save: it would only cost time here): the run starts all the same, and says so.
+    proc = run_cli(*COMMON, "train.precision=bf16", "checkpoint.final=false", f"run.dir={tmp_path}")
+    assert "warning: checkpoint.final=false and checkpoint.every=0: this run saves no checkpoint" in proc.stdout
+    assert "no checkpoint was written: saving is off (checkpoint.final=false" in proc.stderr
+    assert not any((tmp_path / "checkpoints").iterdir())
     got = [r["loss"] for r in read_metrics(tmp_path)]
     ref_loss, _ = reference
     for step, (a, b) in enumerate(zip(got, ref_loss), 1):

@@ -4,8 +4,9 @@
     python -m hpctrain.checkpoint export <step dir> <file> [--dtype ...]
     python -m hpctrain.checkpoint list <run dir>
 
-`export --format hf` writes a Hugging Face Llama directory (config.json, safetensors files of at most
---shard-gb with their index, Hugging Face's names) that transformers' LlamaForCausalLM.from_pretrained
+`export --format hf` writes a Hugging Face Llama directory (config.json, generation_config.json,
+safetensors files of at most --shard-gb with their index, Hugging Face's names, the tokenizer, and a
+fine-tuned model's base's generation config and chat template) that transformers' from_pretrained
 loads, streaming one tensor at a time (hpctrain.checkpoint.hf_weights), into a new or empty directory or an
 earlier export, which it replaces whole (hpctrain.core.outdir). Without --format hf: one consolidated
 file with hpctrain's parameter names, safetensors when <file> ends in .safetensors, otherwise
@@ -166,7 +167,10 @@ def main(argv=None) -> int:
                   f"{', '.join(config['target_modules'])}) -> {args.out}")
             return 0
         if args.format == "hf":
-            index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9))
+            notes: list[str] = []
+            index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9), notes)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
             files = sorted(set(index["weight_map"].values()))
             arch = json.loads((args.out / hf.CONFIG).read_text())["architectures"][0]
             print(f"wrote a Hugging Face {arch}: {len(index['weight_map'])} tensors, "

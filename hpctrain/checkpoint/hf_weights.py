@@ -14,6 +14,15 @@ by DCP into one whole tensor), cast, written and dropped, so memory stays at the
 out_dir is new, empty, or an earlier export (hpctrain.core.outdir): the export is built beside it and
 swapped in whole, so no weights file of an earlier export (a single model.safetensors beside new
 shards) stays for transformers to load, and files the export did not write are never touched.
+
+Beside the weights: the tokenizer the run trained with (the shard directory's, else model.init_from's)
+with its chat template files, and, from a fine-tuned model's base (model.init_from), its
+generation_config.json and chat templates, and in config.json its max_position_embeddings (or
+data.seq_len where that is longer), RoPE description and bos/eos/pad ids. Without a base: the tokenizer's
+bos/eos ids (the shards' end-of-document id as eos) and a generation_config.json made from config.json,
+as transformers' GenerationConfig.from_model_config makes it. Files are copied out of a user's directory
+only when they are regular files inside it once symlinks are resolved (hf_format.inside); one that is
+not is left out, with a note.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from hpctrain.core.compose import model_config
 from hpctrain.core.shape import is_adapter
 from hpctrain.checkpoint.safe import SafeReader, check_files, read_metadata
 from hpctrain.core.rundir import read_info
+from hpctrain.data.chat import TEMPLATE_FILES
 from hpctrain.data.shards import read_meta
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -108,8 +118,9 @@ def _plan_shards(sizes: list[tuple[str, int]], shard_bytes: int) -> list[list[st
 
 
 def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "keep",
-              shard_bytes: int = 5 << 30) -> dict:
-    """Write the checkpoint's model as a Hugging Face Llama directory; returns the index."""
+              shard_bytes: int = 5 << 30, notes: list | None = None) -> dict:
+    """Write the checkpoint's model as a Hugging Face Llama directory; returns the index. `notes` gets
+    what the export left out or could not take from the base (files outside it, a config.json gone)."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     md = read_metadata(step_dir)
     check_files(step_dir, md)
@@ -130,7 +141,8 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
     shards = _plan_shards(sizes, shard_bytes)
     with outdir.replacing(out_dir, TOOL) as tmp:  # refuses a directory holding files it did not write
-        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch, adapted)
+        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch, adapted,
+                      notes if notes is not None else [])
 
 
 def _read(step_dir: Path, name: str) -> torch.Tensor:
@@ -141,9 +153,10 @@ def _read(step_dir: Path, name: str) -> torch.Tensor:
 
 
 def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list[str], target: dict,
-           shards: list[list[str]], arch: str, adapted: set = frozenset()) -> dict:
-    """Write the planned safetensors files, their index, config.json and the tokenizer into the new,
-    empty directory `out_dir`; returns the index."""
+           shards: list[list[str]], arch: str, adapted: set = frozenset(), notes: list | None = None) -> dict:
+    """Write the planned safetensors files, their index, config.json, generation_config.json, the
+    tokenizer and the base's files into the new, empty directory `out_dir`; returns the index."""
+    notes = [] if notes is None else notes
     seq_len = info["config"]["data"]["seq_len"]
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
@@ -180,30 +193,107 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
     (out_dir / hf.INDEX).write_text(json.dumps(index, indent=1))
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target[order[0]]]
     config = hf.to_config(model_cfg, seq_len, dtype_name)
-    config.update(_copy_tokenizer(info["config"], out_dir))
+    config.update(_copy_tokenizer(info["config"], out_dir, notes))
+    base = info["config"]["model"].get("init_from")
+    if base:
+        config.update(_from_base(base, model_cfg, seq_len, notes))
+        if config.get("rope_scaling", 0) is None:  # the base says it as rope_parameters alone
+            del config["rope_scaling"]
+        for name in BASE_FILES:  # the tokenizer's own template, copied with it, stays
+            if not (out_dir / name).exists():
+                _copy_inside(base, name, out_dir, notes)
+    if not (out_dir / GENERATION_CONFIG).exists():  # transformers' GenerationConfig.from_model_config
+        generation = {"_from_model_config": True, **{k: config[k] for k in TOKEN_IDS if config.get(k) is not None}}
+        (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=1))
     (out_dir / hf.CONFIG).write_text(json.dumps(config, indent=1))
     return index
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *TEMPLATE_FILES)
+GENERATION_CONFIG = "generation_config.json"
+BASE_FILES = (GENERATION_CONFIG, *TEMPLATE_FILES)  # copied from model.init_from when it has them
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _copy_tokenizer(run_config: dict, out_dir: Path) -> dict:
+def _copy_inside(directory: str | os.PathLike, name: str, out_dir: Path, notes: list) -> bool:
+    """Copy directory/name into out_dir when it is a regular file inside `directory` (symlinks resolved);
+    a note says why not when it is something else. False when nothing was copied."""
+    real, why = hf.inside(directory, name)
+    if real is None:
+        if why and f"{why}: not copied into the export" not in notes:
+            notes.append(f"{why}: not copied into the export")
+        return False
+    shutil.copyfile(real, out_dir / name)
+    return True
+
+
+def _copy_tokenizer(run_config: dict, out_dir: Path, notes: list | None = None) -> dict:
     """Put the tokenizer the run trained with beside the weights (from the shard directory, else
-    from model.init_from), so that AutoTokenizer loads the export as it is; returns the config.json
-    keys naming its end-of-document id."""
+    from model.init_from), with its chat template files, so that AutoTokenizer loads the export as it
+    is; returns the config.json keys naming its bos and eos ids (eos: the shards' end-of-document id)."""
+    notes = [] if notes is None else notes
     data = run_config.get("data", {})
     paths = [s["path"] for s in data.get("sources") or []] or [data.get("path")]
     candidates = [(p, (read_meta(p) or {}).get("eos_id")) for p in paths if p and p != "???"]
     if run_config["model"].get("init_from"):
         candidates.append((run_config["model"]["init_from"], None))
     for src, eos_id in candidates:
-        if (Path(src) / "tokenizer.json").is_file():
-            for name in TOKENIZER_FILES:
-                if (Path(src) / name).is_file():
-                    shutil.copyfile(Path(src) / name, out_dir / name)
-            return {} if eos_id is None else {"eos_token_id": eos_id}
+        real, why = hf.inside(src, "tokenizer.json")
+        if real is None:
+            if why:
+                notes.append(f"{why}: the tokenizer is not copied from {src}")
+            continue
+        for name in TOKENIZER_FILES:
+            _copy_inside(src, name, out_dir, notes)
+        ids = _tokenizer_ids(out_dir)
+        return ids if eos_id is None else {**ids, "eos_token_id": eos_id}
     return {}
+
+
+def _tokenizer_ids(out_dir: Path) -> dict:
+    """bos/eos/pad ids of the tokenizer copied into out_dir: its tokenizer_config.json's tokens, looked up
+    in its tokenizer.json (a token it lacks, or an unreadable file: no id)."""
+    from tokenizers import Tokenizer
+
+    from hpctrain.data.chat import token_text
+
+    try:
+        cfg = json.loads(hf.read_small(out_dir / "tokenizer_config.json"))
+        tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    except Exception:  # absent, not JSON, not a tokenizer: the ids stay unset, as before
+        return {}
+    out = {}
+    for key in TOKEN_IDS:
+        text = token_text(cfg.get(key[:-len("_id")])) if isinstance(cfg, dict) else None
+        if text is not None and tok.token_to_id(text) is not None:
+            out[key] = tok.token_to_id(text)
+    return out
+
+
+def _from_base(base: str, model_cfg, seq_len: int, notes: list) -> dict:
+    """config.json keys a fine-tuned model keeps from its base's config.json: max_position_embeddings
+    (data.seq_len where the run trained on longer sequences), bos/eos/pad ids, and its RoPE description
+    as written (rope_scaling, rope_parameters) when its model keys are still the run's."""
+    try:
+        cfg = json.loads(hf.read_small(Path(base) / hf.CONFIG))
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as e:  # HFError is a ValueError: absent, not a regular file, too big
+        notes.append(f"the base model's {Path(base) / hf.CONFIG} cannot be read ({e}): config.json has "
+                     f"max_position_embeddings={seq_len} (data.seq_len) and the tokenizer's token ids")
+        return {}
+    out = {k: cfg[k] for k in TOKEN_IDS if cfg.get(k) is not None}
+    longest = cfg.get("max_position_embeddings")
+    if isinstance(longest, int) and not isinstance(longest, bool) and longest > 0:
+        out["max_position_embeddings"] = max(longest, seq_len)
+    try:
+        same = not hf.mismatches(model_cfg, hf.model_keys(cfg))
+    except hf.HFError:
+        same = False
+    if same and any(k in cfg for k in ("rope_scaling", "rope_parameters")):
+        out.update({k: cfg.get(k) for k in ("rope_scaling", "rope_parameters") if k in cfg})
+        out.setdefault("rope_scaling", None)  # none but the base's
+    return out
 
 
 def _hf_order(name: str) -> tuple:

@@ -140,6 +140,15 @@ def partition_facts(timeout_s: float = 10.0) -> Optional[dict[str, Partition]]:
     return parse_sinfo(proc.stdout) or None
 
 
+def partition_check(cfg: Config) -> list[str]:
+    """The partition check a submission makes (config_checks runs it, the planner labels by it): the live
+    cluster's partition against the job, for Slurm's launchers only; [] where no Slurm answers sinfo."""
+    if cfg.launcher.name not in SLURM_LAUNCHERS:
+        return []
+    partitions = partition_facts()
+    return partition_problems(cfg, partitions) if partitions else []
+
+
 def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[str]:
     c = cfg.cluster
     names = ", ".join(sorted(partitions))

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 from hpctrain.core.compose import ConfigError, bad_choices, compose
 from hpctrain.core.disk import writable_dir_problem
-from hpctrain.core.spec import ZERO_STAGES, engine_spec, layout_of, pp_layers_problems, world_size
+from hpctrain.core.spec import ZERO_STAGES, EngineSpec, engine_spec, layout_of, pp_layers_problems, world_size
 from hpctrain.core.schema import Config
 from hpctrain.checks import cluster_checks
 from hpctrain.checks.k8s_checks import k8s_problems
@@ -220,11 +220,48 @@ def _context_parallel(cfg: Config):
         yield ("parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel ring attention is "
                "causal only and takes no mask. Fix: parallel.cp_kernel=auto (hpctrain's kernel where a mask is "
                "on), or data.document_mask=false")
+    elif min(p.pp, p.tp, p.dp_replicate, p.pp_virtual_stages, m.n_layers, cfg.train.micro_batch) >= 1:
+        problem = cp_fallback_problem(engine_spec(cfg, pp_layers=()), m.n_heads)
+        if problem:
+            yield problem
+
+
+def cp_fallback_problem(spec: EngineSpec, n_heads: int) -> str:
+    """Context parallelism on CUDA with hpctrain's kernel (a document mask, fp32, or parallel.cp_kernel=hpctrain):
+    its chunk pairs fall back there to fp32 matmuls over whole (chunk x chunk) score matrices per head
+    (hpctrain.models.attention._math_forward; no fused CUDA kernel takes the mask with grouped K/V yet),
+    which the planner prices neither in memory nor in time. Refused on the login node, by the config
+    checks and the planner's search alike; "" where it does not arise."""
+    k, cp = spec.knobs, spec.layout.cp
+    if cp <= 1 or spec.device != "cuda" or spec.cp_kernel != "hpctrain":
+        return ""
+    chunk = k.seq_len // (2 * cp)
+    heads = n_heads // max(1, spec.layout.tp)
+    scores = k.micro_batch * heads * chunk * chunk * 4 / 2**30
+    if k.document_mask:
+        why, fix = "data.document_mask=true", "data.document_mask=false (torch's ring, causal only), or parallel.cp=1"
+    elif str(k.cp_kernel) == "hpctrain":
+        why, fix = "parallel.cp_kernel=hpctrain", "parallel.cp_kernel=auto with train.precision=bf16 (torch's ring)"
+    else:
+        why, fix = f"train.precision={k.precision}", "train.precision=bf16 (torch's ring), or parallel.cp=1"
+    return (f"parallel.cp={cp} on CUDA with hpctrain's attention kernel ({why}): its chunk pairs run on CUDA as fp32 "
+            f"matmuls over whole {chunk} x {chunk} score matrices ({scores:.1f} GiB a pair for a rank's {heads} heads, "
+            "several at once in backward), priced neither in memory nor in time (a fused CUDA kernel is still to "
+            f"be built: docs/long_context.md). Fix: {fix}")
 
 
 @_check
 def _documents(cfg: Config):
-    """data.document_mask: an end-of-document id to find the documents by."""
+    yield from document_problems(cfg)
+
+
+def document_problems(cfg: Config) -> list[str]:
+    """data.document_mask: an end-of-document id to find the documents by (the planner refuses on these
+    too: it prices the mask from the documents)."""
+    return list(_document_problems(cfg))
+
+
+def _document_problems(cfg: Config):
     from hpctrain.data import eos_id  # reads the shards' meta.json
 
     d = cfg.data
@@ -263,6 +300,24 @@ def _chat_windows(cfg: Config):
             yield (f"{path} holds {meta.get('records', 'chat')} records in windows of {window} tokens (prepare "
                    f"--seq-len {window}), but data.seq_len={d.seq_len}: records would be cut across samples. "
                    f"Fix: data.seq_len={window}, or prepare again with --seq-len {d.seq_len}")
+
+
+def advice(cfg: Config) -> list[str]:
+    """What the login node warns about without refusing: the run can start, but probably not as meant."""
+    from hpctrain.data.shards import read_meta
+
+    d, out = cfg.data, []
+    if d.source != "shards" or d.document_mask:
+        return out
+    for path in [s.path for s in d.sources] or [d.path]:
+        meta = (read_meta(path) if path and path != "???" else None) or {}
+        # prepare's "packed" (several records in a sample); absent in shards from before it, packed then too
+        if meta.get("loss_mask") and meta.get("packed", True):
+            out.append(f"{path} holds {meta.get('records', 'chat')} records packed several to a sample, but "
+                       f"data.document_mask=false: every token attends to the other conversations before it in its "
+                       f"sample, which it never sees at inference. Fix: data.document_mask=true "
+                       f"data.document_positions=true (+experiment=sft sets both), or prepare with --no-pack")
+    return out
 
 
 @_check
@@ -439,11 +494,7 @@ def _cluster_partition(cfg: Config):
     holds the nodes and tasks asked for. Asks the live cluster (sinfo, with a timeout); skipped where there
     is no sinfo or it fails (the dry run says so). Never for launcher=local or k8s: their jobs do not go
     through this Slurm."""
-    if cfg.launcher.name not in cluster_checks.SLURM_LAUNCHERS:
-        return
-    partitions = cluster_checks.partition_facts()
-    if partitions:
-        yield from cluster_checks.partition_problems(cfg, partitions)
+    yield from cluster_checks.partition_check(cfg)
 
 
 @_check

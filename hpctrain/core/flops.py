@@ -65,28 +65,40 @@ def lora_params(m: ModelConfig, tp: int = 1) -> float:
     return sum(r * (i + o) * n for i, o, n in lora_linears(m, tp))
 
 
-def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs per trained token: 6 x (non-embedding parameters) for the matmuls of forward
-    and backward, plus 12 x layers x heads x head_dim x seq_len for attention scores (PaLM's rule,
-    as torchtitan reports MFU). The embedding lookup is not a matmul; the output projection is.
-    With LoRA (model.lora) the frozen weights need no weight gradient: 4 x theirs (forward and the
-    input gradient), 6 x the adapters'."""
+def attention_flops_per_token(m: ModelConfig, seq_len: int, kept: float = 1.0) -> float:
+    """FLOPs per trained token of the attention scores, forward and backward: QK^T and the product with V,
+    2 x 2 x heads x head_dim FLOPs per (query, key) pair forward and twice that backward, over the pairs
+    computed: under the causal mask a token attends to half the sequence on average, and a document mask
+    keeps `kept` of those (hpctrain.plan.context.attention_kept). So 6 x layers x heads x head_dim x
+    seq_len x kept: half of PaLM's 12 l h s, which counts the whole s x s square."""
+    return 12.0 * m.n_layers * m.n_heads * _head_dim(m) * seq_len * 0.5 * kept
+
+
+def train_flops_per_token(m: ModelConfig, seq_len: int, kept: float = 1.0) -> float:
+    """Model FLOPs per trained token, the FLOPs a step computes (MFU's numerator, in logs and plans):
+    6 x (non-embedding parameters) for the matmuls of forward and backward, plus the attention scores of
+    the (query, key) pairs computed (attention_flops_per_token: the causal half, times the share `kept`
+    a document mask keeps). The embedding lookup is not a matmul; the output projection is. With LoRA
+    (model.lora) the frozen weights need no weight gradient: 4 x theirs (forward and the input
+    gradient), 6 x the adapters'."""
     c = param_counts(m)
     # A token's matmuls use the active parameters only: MoE FLOPs come from the routed top_k experts.
     dense = c["active"] - c["embedding"] + (c["embedding"] if m.tie_embeddings else 0)
     adapters = lora_params(m)
     per_param = 4.0 if adapters else 6.0
-    return per_param * dense + 6.0 * adapters + 12.0 * m.n_layers * m.n_heads * _head_dim(m) * seq_len
+    return per_param * dense + 6.0 * adapters + attention_flops_per_token(m, seq_len, kept)
 
 
-def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: float, last_linear: bool = True) -> float:
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, recomputed_blocks: float, last_linear: bool = True,
+                              kept: float = 1.0) -> float:
     """FLOPs per token that activation checkpointing adds: the forward of every recomputed block
-    again (2 x its parameters for the matmuls, 4 x heads x head_dim x seq_len for attention scores,
-    the forward third of train_flops_per_token's terms). Model FLOPs plus these are the hardware FLOPs
+    again (2 x its parameters for the matmuls, the forward third of its attention_flops_per_token), the
+    forward third of train_flops_per_token's terms. Model FLOPs plus these are the hardware FLOPs
     papers report beside MFU (Korthikanti et al. 2022, "Reducing Activation Recomputation").
     last_linear=False: the recompute stops before the block's last linear (w2), as torch's
     non-reentrant checkpoint does, and these are the FLOPs it actually runs."""
     c = param_counts(m)
     w2 = 0.0 if last_linear else 2.0 * m.ffn_dim * m.dim
     active_block = c["per_block"] - (c["experts"] - c["moe_layers"] * m.moe.top_k * c["expert"]) / m.n_layers
-    return recomputed_blocks * (2.0 * active_block - w2 + 4.0 * m.n_heads * _head_dim(m) * seq_len)
+    attention = attention_flops_per_token(m, seq_len, kept) / m.n_layers / 3
+    return recomputed_blocks * (2.0 * active_block - w2 + attention)

@@ -5,12 +5,22 @@ A safetensors file is an 8-byte little-endian header length, a JSON header {name
 data_offsets}}, then the bytes (https://huggingface.co/docs/safetensors). A model in several files has
 `model.safetensors.index.json` ({"weight_map": {name: file}}). The login node reads only headers: a
 model of any size is checked in milliseconds, before any rank starts.
+
+The small files of a model directory (config.json, tokenizer_config.json, chat templates) are read with
+`read_small`: a regular file (a symlink's target), at most SMALL_FILE_BYTES, so that a FIFO or a device
+named like one neither hangs nor fills memory. `inside` resolves a file to copy out of a user's
+directory: a regular file whose real path lies inside that directory, or nothing.
+
+    python -m hpctrain.core.hf_format config DIR     the model keys of DIR's config.json, as overrides
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import struct
+import sys
 from pathlib import Path
 
 from hpctrain.core.schema import ModelConfig, MoEConfig
@@ -23,6 +33,9 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16
                "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8}
 FLOAT_DTYPES = {"F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ"}
 MAX_HEADER = 100_000_000  # bytes: the safetensors library refuses a longer header
+# config.json, tokenizer_config.json, generation_config.json, chat templates: published ones are at most a
+# few MB (a tokenizer_config.json listing 100k+ added tokens); a larger one is not such a file.
+SMALL_FILE_BYTES = 64 << 20
 AGAIN = "Fix: download it again (the file is damaged, or not a safetensors file)"
 
 # hpctrain name -> Hugging Face name; {i}: the block.
@@ -61,6 +74,72 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixt
 
 class HFError(ValueError):
     """A Hugging Face directory that cannot be used; the message names the file and the fix."""
+
+
+def read_small(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """The bytes of one of a model directory's small files: a regular file (symlinks followed), at most
+    `limit` bytes, checked on the open file before reading it; HFError (OSError's text, or what the
+    path is instead) otherwise. `limit`: SMALL_FILE_BYTES unless given."""
+    limit = SMALL_FILE_BYTES if limit is None else limit
+    try:
+        # O_NONBLOCK: opening a FIFO does not wait for a writer (it is then refused as not regular).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise HFError(f"{path} cannot be read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise HFError(f"{path} is not a regular file ({_file_kind(st.st_mode)}). Fix: replace it with the "
+                          f"file it should be")
+        if st.st_size > limit:
+            raise HFError(f"{path} is {st.st_size:,} bytes, more than such a file can be ({limit:,}). Fix: replace "
+                          f"it with the model's own")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew while being read
+        raise HFError(f"{path} is more than {limit:,} bytes. Fix: replace it with the model's own")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def confinement_root(directory: str | os.PathLike) -> Path:
+    """The folder whose files `inside` accepts for `directory`: the directory itself, or for a snapshot
+    of the Hugging Face cache the repository folder that holds its snapshots and their blobs
+    (huggingface_hub's cache layout: models--ORG--NAME/{blobs,refs,snapshots/REV})."""
+    root = Path(os.path.realpath(directory))
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--")) \
+            and (repo / "blobs").is_dir():
+        return repo
+    return root
+
+
+def inside(directory: str | os.PathLike, name: str) -> tuple[Path | None, str | None]:
+    """(the real path of directory/name, None) when it is a regular file that lies inside `directory`
+    once every symlink is resolved; (None, why not) when it is something else; (None, None) when absent.
+    For copying files out of a user's directory: nothing that did not come from inside it. A snapshot
+    of the Hugging Face download cache (<cache>/models--ORG--NAME/snapshots/REV, its files symlinks
+    into ../../blobs) is confined to its repository's folder models--ORG--NAME instead."""
+    root = confinement_root(directory)
+    p = Path(directory) / name
+    if not (p.exists() or p.is_symlink()):
+        return None, None
+    real = Path(os.path.realpath(p))
+    if real != root and root not in real.parents:
+        return None, f"{p} leads outside {directory} (to {real})"
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as e:
+        return None, f"{p} cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(mode):
+        return None, f"{p} is {_file_kind(mode)}"
+    return real, None
 
 
 def architecture(m: ModelConfig) -> str:
@@ -144,10 +223,9 @@ def read_config(path: str | Path) -> dict:
     if not p.is_file():
         raise HFError(f"model.init_from={path} has no {CONFIG}: it is not a Hugging Face model directory. Fix: "
                       "point model.init_from at the directory that holds config.json and the *.safetensors files")
+    raw = read_small(p)
     try:
-        cfg = json.loads(p.read_text())
-    except OSError as e:
-        raise HFError(f"{p} cannot be read ({e.strerror or e})") from None
+        cfg = json.loads(raw)
     except (ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
         raise HFError(f"{p} is not valid JSON ({e}). Fix: download config.json again") from None
     if not isinstance(cfg, dict):
@@ -501,3 +579,37 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
             out.append(f"{Path(path) / have[name][2]}: {name} is {have[name][0]}, not floating point: the model's "
                        f"weights are. Fix: a checkpoint in F32, BF16 or F16")
     return out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
+
+
+# ------------------------------------------------------------------------------------ command line
+
+def _override(value) -> str:
+    """A value as a command-line override writes it (Hydra's booleans, floats that stay floats)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m hpctrain.core.hf_format",
+                                 description="Read a Hugging Face model directory as hpctrain does (no torch).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config", help="the model keys a directory's config.json gives, as overrides",
+                       description="Print the model.* keys that DIR's config.json gives, one override a line "
+                                   "(model=hf model.init_from=DIR takes them itself; another model preset with "
+                                   "model.init_from must agree with them).")
+    c.add_argument("dir", type=Path, help="a Hugging Face model directory (config.json and *.safetensors)")
+    args = ap.parse_args(argv)
+    try:
+        keys = model_keys(read_config(args.dir))
+    except HFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(f"model.{k}={_override(v)}" for k, v in keys.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -177,14 +177,15 @@ class ParallelConfig:
     """parallel=auto: the planner picks every knob below (layout, ZeRO stage, checkpointing, micro-batch)."""
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP's replicate dimension; >1 needs parallel.zero=2 or 3).
-    pp x dp_replicate x dp_shard x tp must equal the world size."""
+    pp x dp_replicate x dp_shard x cp x tp must equal the world size."""
     dp_shard: int = -1
     """Data-parallel ranks the model state is sharded over (ZeRO); -1 means "the rest": the world
-    size over pp x dp_replicate x tp. pp x dp_replicate x dp_shard x tp must equal the world size."""
+    size over pp x dp_replicate x cp x tp. pp x dp_replicate x dp_shard x cp x tp must equal the world
+    size."""
     tp: int = 1
-    """Tensor-parallel degree. pp x dp_replicate x dp_shard x tp must equal the world size."""
+    """Tensor-parallel degree. pp x dp_replicate x dp_shard x cp x tp must equal the world size."""
     pp: int = 1
-    """Pipeline-parallel degree. pp x dp_replicate x dp_shard x tp must equal the world size."""
+    """Pipeline-parallel degree. pp x dp_replicate x dp_shard x cp x tp must equal the world size."""
     ep: int = 1
     """Expert-parallel degree (Mixture-of-Experts models): each MoE layer's experts are split over ep of
     the dp_shard ranks, tokens travel to their experts' rank and back by all-to-all; the rest of
@@ -343,7 +344,11 @@ class TrainConfig:
 class CheckpointConfig:
     """Sharded checkpoints: when to save, how many to keep, where to resume."""
     every: int = 0
-    """Steps between saves; 0 = only when preempted."""
+    """Steps between saves (and the last step's); 0 = none but the last step's (checkpoint.final) and a
+    preemption's."""
+    final: bool = True
+    """Save the last step of a completed run, so that there is a model to export; false (with every=0):
+    no save but a preemption's, and the run's summary says that nothing was written."""
     keep: int = 3
     """Complete checkpoints kept, newest first."""
     keep_every: int = 0
@@ -657,5 +662,5 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """The run's name and directory."""
     dry_run: bool = False
-    """Compose, check and plan (printed, and written to <run.dir>/plan.json), then stop: nothing
-    starts, nothing is submitted."""
+    """Compose, check and plan (printed), then stop: nothing starts, nothing is submitted, nothing is
+    written (run.dir may hold another run's files; `python -m hpctrain.plan --json PATH` writes the plan)."""

@@ -1,10 +1,14 @@
 """Conversations to token ids and a loss mask, rendered with the model's own chat template.
 
 A record is a JSON object: {"messages": [{"role", "content"}, ...]} (format chat; optional "tools"), or
-{"prompt", "completion"} (format prompt). The chat template is tokenizer_config.json's `chat_template`,
-a Jinja template rendered the way transformers' `apply_chat_template` renders it (a sandboxed
-environment with trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception` and
-`strftime_now`, and the special tokens as variables), then tokenized without added special tokens.
+{"prompt", "completion"} (format prompt). The chat template is found where transformers' tokenizer
+finds it beside tokenizer.json: `chat_template.jinja` (where current transformers' save_pretrained
+writes it), else tokenizer_config.json's `chat_template` (a string, or named templates: the "default"),
+else the `chat_template` of `chat_template.json` (a processor's older file). It is a Jinja template
+rendered the way transformers' `apply_chat_template` renders it (a sandboxed environment with
+trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception` and `strftime_now`, and the
+special tokens of tokenizer_config.json as variables), then tokenized without added special tokens.
+These files are read as regular files of bounded size (hpctrain.core.hf_format.read_small).
 
 The loss mask marks the tokens of the assistant's turns: for each assistant message, the text the
 template adds when that message is appended to the conversation rendered up to it with the generation
@@ -21,21 +25,27 @@ from pathlib import Path
 import numpy as np
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# Where a tokenizer directory keeps its chat template, besides tokenizer_config.json's "chat_template"
+# (transformers.utils.hub: CHAT_TEMPLATE_FILE, LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR).
+TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE = "chat_template.jinja", "chat_template.json"
+NAMED_TEMPLATES = "additional_chat_templates"  # named alternatives only: not read
+TEMPLATE_FILES = (TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE)
 
 
 class ChatError(ValueError):
     """A record or template that cannot be rendered; the message says which and how to fix it."""
 
 
-def _token_text(v) -> str | None:
+def token_text(v) -> str | None:
+    """A special token as tokenizer_config.json holds it (its text, or {"content": text, ...}): the text."""
     v = v.get("content") if isinstance(v, dict) else v
     return v if isinstance(v, str) else None
 
 
 class ChatTemplate:
-    """tokenizer_config.json's chat template, compiled once."""
+    """A tokenizer's chat template, compiled once (`origin`: the file it came from, for messages)."""
 
-    def __init__(self, source: str, special: dict[str, str] | None = None):
+    def __init__(self, source: str, special: dict[str, str] | None = None, origin: str = "the chat template"):
         import jinja2
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -64,26 +74,37 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:
-            raise ChatError(f"the chat template does not compile ({e}). Fix: correct tokenizer_config.json's "
-                            f"chat_template") from None
-        self.special = dict(special or {})
+            raise ChatError(f"the chat template does not compile ({e}). Fix: correct {origin}") from None
+        self.special, self.origin = dict(special or {}), origin
 
     @classmethod
     def of(cls, tokenizer_json: str | Path) -> "ChatTemplate":
-        """The template of the tokenizer_config.json beside `tokenizer_json`."""
-        cfg_path = Path(tokenizer_json).parent / "tokenizer_config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise ChatError(f"{cfg_path} cannot be read ({e}): --format chat renders with its chat_template. "
-                            f"Fix: use the model's tokenizer directory, which has one") from None
+        """The template of the tokenizer directory that holds `tokenizer_json`, found where transformers
+        finds it (chat_template.jinja first), with tokenizer_config.json's special tokens."""
+        d = Path(tokenizer_json).parent
+        cfg_path = d / "tokenizer_config.json"
+        cfg = _json_file(cfg_path, "--format chat renders with its special tokens and chat template. Fix: use "
+                                   "the model's tokenizer directory, which has one")
+        special = {k: t for k in SPECIAL if isinstance(cfg, dict) and (t := token_text(cfg.get(k))) is not None}
+        if (d / TEMPLATE_FILE).exists() or (d / TEMPLATE_FILE).is_symlink():  # transformers: it wins over the config
+            return cls(_text_file(d / TEMPLATE_FILE), special, str(d / TEMPLATE_FILE))
         source = cfg.get("chat_template") if isinstance(cfg, dict) else None
+        origin = f"{cfg_path}'s chat_template"
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+        legacy = d / PROCESSOR_TEMPLATE_FILE
+        if not isinstance(source, str) and (legacy.exists() or legacy.is_symlink()):
+            doc = _json_file(legacy, "Fix: remove it, or download it again")
+            source, origin = (doc.get("chat_template") if isinstance(doc, dict) else None), f"{legacy}'s chat_template"
         if not isinstance(source, str):
-            raise ChatError(f"{cfg_path} has no chat_template: a base model's tokenizer. Fix: use the chat "
-                            f"(instruct) model's tokenizer, or --format prompt for prompt/completion pairs")
-        return cls(source, {k: t for k in SPECIAL if (t := _token_text(cfg.get(k))) is not None})
+            extra = d / NAMED_TEMPLATES
+            named = sorted(p.stem for p in extra.glob("*.jinja")) if extra.is_dir() else []
+            also = (f"; {d / NAMED_TEMPLATES} holds only named templates ({', '.join(named)}), none of them the "
+                    f"default" if named else "")
+            raise ChatError(f"{cfg_path} has no chat_template, and {d} has no {TEMPLATE_FILE}{also}: a base model's "
+                            f"tokenizer. Fix: use the chat (instruct) model's tokenizer, or --format prompt for "
+                            f"prompt/completion pairs")
+        return cls(source, special, origin)
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = False) -> str:
         import jinja2
@@ -110,6 +131,30 @@ class ChatTemplate:
             if len(upto) > len(before):
                 spans.append((len(before), len(upto)))
         return text, spans
+
+
+def _read(path: Path, why: str = "") -> bytes:
+    from hpctrain.core.hf_format import HFError, read_small
+
+    try:
+        return read_small(path)
+    except HFError as e:
+        raise ChatError(str(e) if "Fix:" in str(e) or not why else f"{e}: {why}") from None
+
+
+def _json_file(path: Path, fix: str):
+    raw = _read(path, fix)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ChatError(f"{path} is not valid JSON ({e}): {fix}") from None
+
+
+def _text_file(path: Path) -> str:
+    try:
+        return _read(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ChatError(f"{path} is not UTF-8 text ({e}). Fix: download it again") from None
 
 
 def check_record(record, fmt: str, where: str) -> None:

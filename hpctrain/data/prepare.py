@@ -25,6 +25,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -292,7 +293,9 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
         warnings = []
         if stats["truncated"]:
             warnings.append(f"{stats['truncated']} record(s) longer than --seq-len {seq_len} were truncated")
+        # packed: several records share a sample, so they need data.document_mask (the login node warns)
         meta = {"format": 2, "records": fmt, "loss_mask": True, "window": seq_len or 0,
+                "packed": bool(pack or not seq_len),
                 "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
                 "tokenizer": _copy_tokenizer(encoder, tmp), "val_fraction": val_fraction, "seed": seed,
                 "files": len(files), "text_bytes": sum(f.stat().st_size for f in files), "documents": stats["records"],
@@ -302,15 +305,28 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
 
 
 def _copy_tokenizer(encoder: Encoder, out: Path) -> dict:
-    """A copy of tokenizer.json (and its config) beside the shards: training, export and generation
-    then read the very tokenizer the ids came from."""
+    """A copy of tokenizer.json (and its config and chat template files) beside the shards: training,
+    export and generation then read the very tokenizer the ids came from. The small files are read as
+    chat.py reads them: regular files of bounded size."""
+    from hpctrain.core.hf_format import HFError, read_small
+    from hpctrain.data.chat import TEMPLATE_FILES
+
     if encoder.path is None:
         return {"kind": "bytes", "eos": None}
     src = Path(encoder.path)
     shutil.copyfile(src, out / "tokenizer.json")
     config = src.parent / "tokenizer_config.json"
+    for name in TEMPLATE_FILES:  # current transformers saves the template in chat_template.jinja
+        if (src.parent / name).exists() or (src.parent / name).is_symlink():
+            try:
+                (out / name).write_bytes(read_small(src.parent / name))
+            except HFError as e:
+                raise TokenizerError(str(e)) from None
     if config.is_file():
-        shutil.copyfile(config, out / "tokenizer_config.json")
+        try:
+            (out / "tokenizer_config.json").write_bytes(read_small(config))
+        except HFError as e:
+            raise TokenizerError(str(e)) from None
     else:
         (out / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos}, indent=1))
@@ -381,12 +397,27 @@ def main(argv=None) -> int:
     for w in meta["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
-    extra = f" data.seq_len={meta['window']}" if meta.get("window") else ""
-    if meta.get("loss_mask"):
-        extra += " data.document_mask=true data.document_positions=true"
-    print(f"train on it with: python -m hpctrain data=shards data.path={args.out.resolve()} "
-          f"model.vocab_size={meta['vocab_size']}{extra}")
+    print(next_command(meta, args.out, args.tokenizer))
     return 0
+
+
+def next_command(meta: dict, out: Path, tokenizer: str | None) -> str:
+    """The command line that trains on `out`: text from scratch; chat and prompt records fine-tune a
+    Hugging Face model (+experiment=sft: model=hf, its shape from model.init_from's config.json, document
+    masking on), the one whose tokenizer this is where --tokenizer named a model directory."""
+    path = shlex.quote(str(out.resolve()))
+    window = f" data.seq_len={meta['window']}" if meta.get("window") else ""
+    if not meta.get("loss_mask"):
+        return (f"train on it with: python -m hpctrain data=shards data.path={path} "
+                f"model.vocab_size={meta['vocab_size']}{window}")
+    tok = Path(tokenizer) if tokenizer else None
+    model = (tok if tok.is_dir() else tok.parent) if tok is not None else None
+    if model is not None and (model / "config.json").is_file():
+        return (f"fine-tune on it with: python -m hpctrain +experiment=sft model.init_from="
+                f"{shlex.quote(str(model.resolve()))} data.path={path}{window}")
+    return (f"fine-tune on it with: python -m hpctrain +experiment=sft model.init_from=MODEL_DIR data.path={path}"
+            f"{window}\n  MODEL_DIR: the Hugging Face model to fine-tune (config.json, *.safetensors) whose tokenizer "
+            f"this is")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,12 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
 
 def configured_eos(tokenizer_json: Path) -> str | None:
     """The eos_token of the tokenizer_config.json beside tokenizer.json, where there is one."""
+    from hpctrain.core.hf_format import read_small
+
     cfg = tokenizer_json.parent / "tokenizer_config.json"
     try:
-        doc = json.loads(cfg.read_text())
-    except (OSError, ValueError, RecursionError):  # absent, not JSON, nested past the parser's depth
+        doc = json.loads(read_small(cfg))  # a regular file of bounded size (HFError, a ValueError, otherwise)
+    except (ValueError, RecursionError):  # absent, not a plain file, not JSON, nested past the parser's depth
         return None
     eos = doc.get("eos_token") if isinstance(doc, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos

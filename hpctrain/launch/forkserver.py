@@ -142,13 +142,17 @@ def forkable(cmd: Sequence[str]) -> bool:
 class ForkServer:
     """The launcher's end of hpctrain.launch.forkserver: one server per launch, parent of its ranks."""
 
-    def __init__(self, env: dict, cmd: Sequence[str]):
+    def __init__(self, env: dict, cmd: Sequence[str], stdout: Optional[int] = None, stderr: Optional[int] = None):
+        """`stdout`, `stderr`: file descriptors for the server's output and that of the ranks started
+        without a log (rank 0: the launcher copies it to the terminal and to logs/rank-0.log); None: the
+        launcher's own."""
         r, w = os.pipe()
         # A session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on. The rank
         # command is on its command line for `ps` to show (its forks carry the same; ranks.json
         # names their pids).
         self.proc = subprocess.Popen([sys.executable, "-m", "hpctrain.launch.forkserver", str(w), "--", *cmd],
                                      stdin=subprocess.PIPE, pass_fds=(w,), start_new_session=True,
+                                     stdout=stdout, stderr=stderr,
                                      env={k: v for k, v in env.items() if k not in PER_RANK})
         os.close(w)
         self.fd, self.buf = r, b""

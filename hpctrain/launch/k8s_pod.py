@@ -93,9 +93,13 @@ def pod_main(argv: list[str], grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0
     rendezvous host, forward SIGTERM to it, and exit with pod_exit()'s status. Once the outcome is
     final, torchrun gets grace_s to end: its agents wait for each other before they exit, for one
     that was stopped by a signal up to 5 minutes, while its replacement could not join."""
+    usage = ("usage: python -m hpctrain.launch.k8s_pod --run-dir DIR [--seed-config FILE] -- COMMAND...\n"
+             "What each pod of launcher=k8s runs around torchrun; to train: python -m hpctrain launcher=k8s ...")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if "--" not in argv:
-        print("usage: python -m hpctrain.launch.k8s_pod --run-dir DIR [--seed-config FILE] -- COMMAND...",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     cut = argv.index("--")
     opts, command = argv[:cut], argv[cut + 1:]

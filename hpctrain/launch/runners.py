@@ -38,9 +38,9 @@ class LocalRunner:
         return []
 
     def log_tail(self, rank: int, lines: int = 20) -> tuple[str, str]:
-        if rank == 0:
-            return "above", ""
         path = self.run_dir / "logs" / f"rank-{rank}.log"
+        if rank == 0:  # on the terminal already
+            return f"above, and {path}", ""
         return str(path), tail(path, lines)
 
 

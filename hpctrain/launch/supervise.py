@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hpctrain.checks.config_checks import check
 from hpctrain.core.compose import ConfigError, load, to_yaml
-from hpctrain.launch import chain, requeue as slurm_requeue
+from hpctrain.launch import chain, requeue as slurm_requeue, summary
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
 from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, STOPPED, append_jsonl, attempt_dir, clear_outcome, list_complete,
@@ -85,6 +85,11 @@ class Supervisor:
             nodes = self._nodes()
             if nodes is None:
                 return 1
+            if self.stopping:  # a Ctrl-C (or scancel) between starts: no new one
+                say(f"stopped by {signal.Signals(self.stopping).name} before start {attempt}; run the same command "
+                    "again to resume")
+                self._summary()
+                return 130
             clear_outcome(self.run_dir)
             started = time.time()
             say(f"start {attempt}: {len(nodes)} node(s) ({', '.join(nodes)}), {world_size(self.cfg)} ranks")
@@ -96,16 +101,20 @@ class Supervisor:
             if ended.rc == 0 and outcome.get("status") == "completed":
                 self._poll(force=True)
                 say(f"completed at step {outcome.get('step')}")
+                self._summary()
                 self._end_chain()
                 return 0
             stop = ended.interrupted or self.stopping
             if ended.rc == 0 and outcome.get("status") == "preempted":
                 return self._preempted(outcome, attempt, stop)
             if stop:
-                self._record(Failure(STOPPED, detail=f"{signal.Signals(stop).name} to the launcher: stopped without "
-                                     "saving", failed_at=time.time()), attempt)
+                how = ("a second Ctrl-C (SIGINT) to the launcher: stopped at once, without saving"
+                       if ended.stopped_now else
+                       f"{signal.Signals(stop).name} to the launcher: stopped without saving")
+                self._record(Failure(STOPPED, detail=how, failed_at=time.time()), attempt)
                 say("stopped by a signal: not restarting; run the same command again to resume")
-                return ended.rc or 130
+                self._summary()
+                return 130 if ended.stopped_now else (ended.rc or 130)
             failure = self._classify(attempt, nodes, ended)
             self._record(failure, attempt)
             if failure.cause in ("unhealthy", "node_lost"):
@@ -170,6 +179,7 @@ class Supervisor:
         else:
             say(f"stopped at step {outcome['step']} and saved {outcome.get('checkpoint')}; "
                 "run the same command again to resume")
+            self._summary()
         return 0
 
     def _end_chain(self) -> None:
@@ -186,7 +196,18 @@ class Supervisor:
             path, text = self.runner.log_tail(rank)
             msg += f"\n--- {where}, its log: {path} ---\n{text}" if text else f" ({where}; its log: {path})"
         print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
+        self._summary()
         return 1
+
+    def _summary(self) -> None:
+        """What the run leaves, as it ends here (hpctrain.launch.summary), also into outcome.json. A
+        summary that cannot be made never changes how the run ends."""
+        try:
+            lines = summary.record(self.run_dir, self.cfg)
+        except Exception as e:  # noqa: BLE001 - the run's end is said above; this is extra
+            lines = [f"no summary: {type(e).__name__}: {e}"]
+        for line in lines:
+            say(line)
 
     # ------------------------------------------------------------------ records
 
@@ -258,16 +279,26 @@ def supervise(run_dir: str | os.PathLike) -> int:
         return 2
     runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
     sup = Supervisor(run_dir, runner, slurm)
-    if slurm:  # scancel: no restarts; the local runner forwards signals to the ranks itself
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, sup.interrupt)
-    return sup.run()
+    # scancel, Ctrl-C: no restarts, and no traceback. While local ranks run, the local runner passes
+    # signals on to them itself (hpctrain.launch.local); here they count between its starts.
+    previous = {s: signal.signal(s, sup.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return sup.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = ("usage: python -m hpctrain.launch.supervise <run_dir>\nStarts every rank of a prepared run and "
+             "restarts them from the newest checkpoint when one fails (what a Slurm job runs); to train: "
+             "python -m hpctrain [overrides]")
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) != 1:
-        print("usage: python -m hpctrain.launch.supervise <run_dir>", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return supervise(argv[0])
 

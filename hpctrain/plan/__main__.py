@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import sys
 
-from hpctrain.checks.config_checks import problems
+from hpctrain.checks.cluster_checks import partition_check
+from hpctrain.checks.config_checks import document_problems, problems
 from hpctrain.core import outdir
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.spec import world_size
 from hpctrain.plan import fit, published as pub, published_moe, verdict as report
+from hpctrain.plan.login import world_rule
 from hpctrain.plan.memory import cluster_of, job_of
 from hpctrain.plan.search import Space, search
 
 USAGE = __doc__ + """
-  +experiment=70b cluster=h100 cluster.nodes=8    what to plan (any hpctrain override)
+  +experiment=70b cluster=h100 cluster.nodes=8    what to plan (any hpctrain override); a cluster with GPUs is
+                 planned whole (nodes x gpus_per_node, as launcher=sbatch runs it) unless the command
+                 line names a launcher (launcher=local launcher.nproc=N: N ranks on one machine)
   --top N        rows of the ranked table (10)
   --json PATH    write plan.json for the requested layout and the best one
   --png PATH     the requested layout and the best few: device memory by kind, and tokens/s
@@ -60,19 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         if opts.get("calibrate"):
             print(report.calibration_table(report.calibration(cluster_of(compose(["cluster=h100"] + overrides)))))
             return 0
-        cfg = compose(overrides)
+        cfg, note = request_of(overrides)
         refuse_outputs(opts.get("png"), opts.get("json"))
+        # the documents the mask is priced by: refused as a run and a dry run refuse them, whatever the layout
+        refused = document_problems(cfg)
+        if refused:
+            raise ConfigError("this config cannot run:\n" + "\n".join(f"  - {p}" for p in refused))
     except (ConfigError, ValueError) as e:
         print(f"hpctrain.plan: error: {e}", file=sys.stderr)
         return 2
+    if note:
+        print(note + "\n")
     request, world = job_of(cfg), world_size(cfg)
-    found = problems(cfg)
-    if request.knobs.layout.world == world:
-        asked = report.plan(request)
-        asked.problems = found + [p for p in asked.problems if p not in found]
+    asked, found = requested(cfg, request)
+    if asked:
         print("requested layout:\n" + report.summary(asked) + "\n")
     else:  # the mesh does not even cover the ranks: nothing to price
-        asked = None
         print("requested layout cannot run:\n" + "\n".join(f"  - {p}" for p in found) + "\n")
     space = Space()
     print(f"searching {world} ranks, ZeRO stages {', '.join(map(str, space.zeros))}:")
@@ -90,6 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         if plans:
             print(f"wrote {report.save_plan_png(plans, opts['png'])}")
     return 0 if res.ranked else 1
+
+
+def request_of(overrides: list[str]):
+    """(config, note): composed as `python -m hpctrain` composes it, its world sized by login.world_rule
+    (a cluster with GPUs, the launcher left at local: the cluster's GPUs); the note says so."""
+    cfg = compose(overrides)
+    more, note = world_rule(cfg, overrides, planner=True)
+    return (compose([*overrides, *more]) if more else cfg), note
+
+
+def requested(cfg, job):
+    """(the requested layout's plan, or None where its mesh does not cover the ranks; every problem the
+    login-node checks find). The plan's problems are those of the checks, then its own; those of the
+    live Slurm's partition check are marked (Plan.partition: no layout changes them)."""
+    found = problems(cfg)
+    if job.knobs.layout.world != world_size(cfg):
+        return None, found
+    asked = report.plan(job)
+    asked.problems = found + [p for p in asked.problems if p not in found]
+    asked.partition = [p for p in partition_check(cfg) if p in found] if found else []
+    return asked, found
 
 
 def refuse_outputs(*paths) -> None:

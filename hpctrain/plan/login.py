@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from hpctrain.checks.config_checks import check, compose_checked
 from hpctrain.core.compose import ConfigError, compose
@@ -12,6 +13,35 @@ from hpctrain.core.spec import world_size
 from hpctrain.plan.memory import job_of
 from hpctrain.plan.search import Space, nearest, overrides, search
 from hpctrain.plan.verdict import describe, explain, plan, plan_dict, summary
+
+
+def names_launcher(overrides: Sequence[str]) -> bool:
+    """The command line picks the launcher or its size (launcher=..., launcher.nproc=...)."""
+    keys = (o.lstrip("+~").split("=", 1)[0] for o in overrides)
+    return any(k == "launcher" or k.startswith("launcher.") for k in keys)
+
+
+def world_rule(cfg: Config, overrides: Sequence[str], planner: bool) -> tuple[list[str], str]:
+    """Who sizes the world, for the planner and the dry run alike (one rule): (overrides to add, a line
+    to print, "" when there is nothing to say).
+
+    launcher=local starts launcher.nproc ranks on this machine (hpctrain.core.spec.world_size); Slurm's
+    launchers start cluster.nodes x cluster.gpus_per_node. The planner, asked about a cluster with GPUs
+    while the launcher is left at its local default, plans that cluster, as launcher=sbatch would run it.
+    A run or a dry run keeps its launcher (it prices what it would start) and says so where the GPU
+    cluster named would be a different world."""
+    c = cfg.cluster
+    if cfg.launcher.name != "local" or not c.gpus_per_node:
+        return [], ""
+    gpus, nproc = c.nodes * c.gpus_per_node, cfg.launcher.nproc
+    cluster = f"cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node}"
+    if planner and not names_launcher(overrides):
+        return ["launcher=sbatch"], (f"world: {gpus} GPUs, {cluster}, as launcher=sbatch runs them (the launcher "
+                                     "was left at local; launcher=local launcher.nproc=N plans N ranks on one machine)")
+    if gpus == nproc:
+        return [], ""
+    return [], (f"world: {nproc} ranks, launcher.nproc={nproc} of launcher=local on this machine, not the "
+                f"{gpus} GPUs of {cluster}. Fix: launcher=sbatch (or slurm) for the cluster, or launcher.nproc=N")
 
 
 def _space(for_launch: bool):
@@ -53,6 +83,9 @@ def plan_one(overrides: list[str], show=None):
     """(config, plan) of one run: composed, checked, its layout chosen under parallel=auto, priced;
     ConfigError names every problem."""
     cfg, refused = compose_checked(overrides)
+    note = world_rule(cfg, overrides, planner=False)[1]
+    if note:
+        print(note, flush=True)
     if cfg.parallel.auto and not refused:
         chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
         cfg = compose([*overrides, *chosen, "parallel.auto=false"])

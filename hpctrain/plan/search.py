@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
+from hpctrain.checks.config_checks import cp_fallback_problem
 from hpctrain.plan.memory import Job, Memory, memory
 from hpctrain.core.spec import ZERO_STAGES, Layout, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
@@ -99,6 +100,9 @@ def layout_problems(job: Job) -> list[tuple[str, str]]:
             out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
     if lay.cp > 1 and job.knobs.seq_len % (2 * lay.cp):
         out.append(("cp", f"parallel.cp={lay.cp} needs data.seq_len={job.knobs.seq_len} divisible by {2 * lay.cp}"))
+    fallback = cp_fallback_problem(job.spec, m.n_heads)
+    if fallback:
+        out.append(("cp on CUDA with hpctrain's kernel (unpriced)", fallback))
     if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
         out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
                           f"and model.moe.experts={m.moe.experts}"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from hpctrain.core.flops import lora_linears, recompute_flops_per_token, train_flops_per_token
-from hpctrain.core.shape import head_dim
+from hpctrain.core.shape import expert_ffn, head_dim, moe_layer_count
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.context import attention_kept, cp_collectives
 from hpctrain.plan.moe import dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, stage_moe_layers
@@ -501,7 +501,7 @@ def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, sh
 class Throughput:
     step_time_s: float
     tokens_per_s: float
-    tflops_per_gpu: float  # model FLOPs (train_flops_per_token) per second per GPU
+    tflops_per_gpu: float  # model FLOPs (train_flops_per_token: the FLOPs computed) per second per GPU
     mfu: float
     hw_tflops_per_gpu: float  # model FLOPs plus the recomputed forward passes (activation checkpointing)
     bubble_fraction: float
@@ -578,12 +578,34 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     step = sum(br.values())
 
     tokens = job.knobs.global_batch * job.knobs.seq_len
-    flops = train_flops_per_token(job.model, job.knobs.seq_len) * tokens
+    # the FLOPs computed: the attention pairs the causal mask and the document mask keep, no more
+    kept = attention_kept(job)
+    flops = train_flops_per_token(job.model, job.knobs.seq_len, kept) * tokens
     tflops = flops / step / job.world / 1e12
     recomputed = checkpointed_layers(job.knobs.ac, job.model.n_layers, job.knobs.ac_every)
     hw_flops = flops + recompute_flops_per_token(job.model, job.knobs.seq_len, recomputed,
-                                                 last_linear=sw.recompute_last_linear) * tokens
+                                                 last_linear=sw.recompute_last_linear, kept=kept) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
                       bubble_fraction=bubble / step, breakdown=br,
                       collectives=[c.as_dict() for c in colls])
+
+
+def megatron_flops_per_token(m, seq_len: int, recompute: bool = True) -> float:
+    """Megatron-LM's FLOPs per token: Narayanan et al. 2021, eq. (3), F = 96 B s l h^2 (1 + s/(6h) +
+    V/(16 l h)) per iteration, generalized to grouped-query attention, SwiGLU and routed experts as
+    Megatron-LM's num_floating_point_operations does it: 12 l h^2 [(1 + kv/heads + s/h) q/h + 1.5 f/h]
+    per token for the blocks (f: the FFN width, top_k routed plus shared experts on MoE blocks), times
+    4/3 with `recompute` (eq. (3) counts the forward full recomputation repeats; Megatron-LM r0.8's logged
+    TFLOP/s, those of its README's H100 table, do not), plus 6 V h for the logits. The attention term is
+    the whole s x s square, as eq. (3) and r0.8 count it: neither the causal half (later releases halve
+    it) nor a document mask."""
+    h, hd = m.dim, head_dim(m)
+    q = m.n_heads * hd / h
+    attention = (1 + m.n_kv_heads / m.n_heads + seq_len / h) * q
+    n_moe = moe_layer_count(m)
+    e, f_e = m.moe, expert_ffn(m)
+    mlp = (1.5 * m.ffn_dim / h * (m.n_layers - n_moe)
+           + 1.5 * (e.top_k + e.shared_experts) * f_e / h * n_moe) / m.n_layers
+    blocks = 12 * m.n_layers * h * h * (attention + mlp) * (4 / 3 if recompute else 1)
+    return blocks + 6 * m.vocab_size * h

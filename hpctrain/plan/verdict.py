@@ -3,16 +3,17 @@ table, a PNG of memory breakdowns (matplotlib imported only there), and the cali
 against Megatron-LM's published H100 figures."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from hpctrain.core import words
 from hpctrain.core.schema import ClusterConfig, ModelConfig
 from hpctrain.core.spec import Knobs, Layout
-from hpctrain.core.flops import param_counts
+from hpctrain.core.flops import param_counts, train_flops_per_token
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
-from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, throughput
+from hpctrain.plan.context import attention_kept
+from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, megatron_flops_per_token, throughput
 
 TOOL = "hpctrain.plan"  # what the files `python -m hpctrain.plan` writes say wrote them
 
@@ -23,10 +24,26 @@ class Plan:
     memory: Memory
     time: Throughput
     problems: list
+    # of `problems`, those of the live Slurm's partition check (cluster_checks.partition_check): the
+    # cluster's partition refuses the job whatever its layout
+    partition: list = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
         return not self.problems
+
+
+def refusal(p: Plan) -> str:
+    """Why a plan cannot run, in a few words per kind: "does not fit" (device memory), "refused by the
+    partition check" (the live Slurm's partition, not the layout), "cannot run" (anything else); "" when
+    it can."""
+    if p.fits:
+        return ""
+    kinds = ["does not fit"] if p.memory.problems else []
+    kinds += ["refused by the partition check"] if p.partition else []
+    if set(p.problems) - set(p.memory.problems) - set(p.partition):
+        kinds.append("cannot run")
+    return "\n".join(kinds)
 
 
 def plan(job: Job, sw: Software = HPCTRAIN) -> Plan:
@@ -49,7 +66,9 @@ def plan_dict(p: Plan) -> dict:
             "host_memory_per_rank_bytes": m.host_per_rank, "nvme_bytes": m.nvme_per_node,
             "step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s,
             "tokens_per_s_per_gpu": t.tokens_per_s / j.world, "tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu,
-            "hw_tflops_per_gpu": t.hw_tflops_per_gpu,
+            "hw_tflops_per_gpu": t.hw_tflops_per_gpu, "flops_per_token": flops_per_token(j),
+            "megatron_tflops_per_gpu": megatron_tflops(p, recompute=False),
+            "megatron_eq3_tflops_per_gpu": megatron_tflops(p, recompute=True),
             "bubble_fraction": t.bubble_fraction, "time_breakdown_s": t.breakdown, "collectives": t.collectives}
 
 
@@ -95,22 +114,48 @@ def summary(p: Plan) -> str:
              f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per {unit}), "
              f"{t.tflops_per_gpu:.3g} TFLOP/s per {unit}, MFU {t.mfu:.1%}"
              + (f" ({t.hw_tflops_per_gpu:.3g} hardware TFLOP/s with recomputation)"
-                if t.hw_tflops_per_gpu > t.tflops_per_gpu * 1.0001 else "")]
+                if t.hw_tflops_per_gpu > t.tflops_per_gpu * 1.0001 else ""),
+             flop_convention(p)]
     if p.problems:
         lines.append("cannot run:")
         lines += [f"  - {x}" for x in p.problems]
     return "\n".join(lines)
 
 
+def flops_per_token(job: Job) -> float:
+    """The model FLOPs per token the plan counts (MFU's numerator): the FLOPs computed."""
+    return train_flops_per_token(job.model, job.knobs.seq_len, attention_kept(job))
+
+
+def megatron_tflops(p: Plan, recompute: bool) -> float:
+    """The plan's tokens/s per GPU in Megatron-LM's FLOP count (throughput.megatron_flops_per_token)."""
+    return p.time.tokens_per_s / p.job.world * megatron_flops_per_token(p.job.model, p.job.knobs.seq_len,
+                                                                         recompute) / 1e12
+
+
+def flop_convention(p: Plan) -> str:
+    """What the TFLOP/s and MFU above count, and the same tokens/s in Megatron-LM's count, for its tables."""
+    j = p.job
+    kept = attention_kept(j)
+    mask = f" x the {kept:.1%} the document mask keeps" if kept < 1 else ""
+    lora = " (4 per frozen one)" if j.spec.lora else ""
+    return (f"FLOPs counted: those computed, 6 per active parameter and token{lora} + attention over the "
+            f"(query, key) pairs kept (the causal half{mask}). Megatron-LM's count (Narayanan et al. 2021 eq. 3: "
+            f"the whole s x s, no mask): {megatron_tflops(p, False):.3g} TFLOP/s per "
+            f"{words.device(j.cluster.gpus_per_node)} without its recompute term (Megatron-LM's README tables), "
+            f"{megatron_tflops(p, True):.3g} with it")
+
+
 def table(cands: list, limit: Optional[float] = None) -> str:
     unit = "/" + words.device(cands[0].job.cluster.gpus_per_node if cands else 1)
-    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
+    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'ep':>3} {'cp':>3} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
             f"{'schedule':>12} {'sync':>5} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {unit:>6} {'TFLOP/s':>7} {'MFU':>5}")
     rows = [head]
     for i, c in enumerate(cands, 1):
         k, t = knobs(c.job), c.time
         sched = k["schedule"] + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
         rows.append(f"{i:>3} {k['tp']:>2} {k['pp']:>3} {str(k['dp_replicate']) + 'x' + str(k['dp_shard']):>7} "
+                    f"{k['ep']:>3} {k['cp']:>3} "
                     f"{k['zero']:>4} {k['offload']:>7} {k['ac']:>9} {k['micro_batch']:>2} {sched:>12} "
                     f"{('step' if k['grad_sync'] == 'step' else 'mb'):>5} "
                     f"{c.memory.device_total / GiB:>7.2f} {t.step_time_s:>7.3g} {t.tokens_per_s:>10,.0f} "
@@ -160,8 +205,10 @@ def over(total: float, limit: float) -> str:
 def short(job: Job) -> str:
     """A layout in a few words, every knob that tells two layouts apart (the plot's tick labels)."""
     k = knobs(job)
+    ep = f" ep{k['ep']}" if k["ep"] > 1 else ""
     cp = f" cp{k['cp']}" if k["cp"] > 1 else ""
-    s = f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{cp} zero{k['zero']} ac {k['ac']} mb{k['micro_batch']}"
+    s = (f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{ep}{cp} zero{k['zero']} ac {k['ac']} "
+         f"mb{k['micro_batch']}")
     if job.knobs.layout.pp > 1:
         s += f" {job.knobs.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
     if k["grad_sync"] == "step":
@@ -202,7 +249,7 @@ def save_plan_png(plans: list, path: str) -> str:
     tokens = [p.time.tokens_per_s for _, p in plans]
     speed.bar(x, tokens, color=["C0" if p.fits else "0.7" for _, p in plans])
     for i, (t, (_, p)) in enumerate(zip(tokens, plans)):
-        speed.annotate(f"{t:,.0f}" + ("" if p.fits else "\ndoes not fit"), (i, t), ha="center", va="bottom", fontsize=7)
+        speed.annotate(f"{t:,.0f}" + ("" if p.fits else "\n" + refusal(p)), (i, t), ha="center", va="bottom", fontsize=7)
     speed.set_ylim(0, max(tokens) * 1.2 if tokens else 1)
     speed.set_ylabel("predicted tokens/s (whole job)")
     speed.set_title("how fast? the measure layouts are ranked by")
@@ -258,9 +305,12 @@ def megatron_job(row: tuple, cluster: ClusterConfig) -> Job:
 def calibration(cluster: ClusterConfig, sw: Software = MEGATRON) -> list[dict]:
     rows = []
     for row in MEGATRON_H100:
-        t = throughput(megatron_job(row, cluster), sw)
-        rows.append({"model": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "predicted": t.tflops_per_gpu,
-                     "published": row[8], "error": t.tflops_per_gpu / row[8] - 1})
+        job = megatron_job(row, cluster)
+        t = throughput(job, sw)
+        # in the table's own FLOP count: Megatron-LM r0.8's (eq. 3 without the recompute term, the whole s x s)
+        predicted = t.tokens_per_s / job.world * megatron_flops_per_token(job.model, job.knobs.seq_len, False) / 1e12
+        rows.append({"model": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "predicted": predicted,
+                     "published": row[8], "error": predicted / row[8] - 1})
     return rows
 
 

@@ -74,15 +74,16 @@ def load(run_dir: str | Path) -> Run:
 
 # ------------------------------------------------------------------------------------------ plots
 
-def _axes(n: int = 1, width: float = 6.5):
+def _axes(n: int = 1, width: float = 6.5, rows: int = 1):
+    """A figure of `rows` x `n` plots, its axes row after row."""
     # optional and heavy (matplotlib, ~1 s): only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n, figsize=(width * n, 3.6), squeeze=False)
-    return fig, list(axes[0])
+    fig, axes = plt.subplots(rows, n, figsize=(width * n, 3.6 * rows), squeeze=False)
+    return fig, [ax for row in axes for ax in row]
 
 
 def _save(fig, path: Path) -> str:
@@ -248,7 +249,9 @@ def plot_checkpoints(run: Run, out: Path) -> Optional[str]:
 def plot_router(run: Run, out: Path) -> Optional[str]:
     """Mixture-of-Experts runs: each expert's share of the routed tokens over the steps (relative to an
     even split, the mean over MoE layers), the spread over experts and layers with the balancing loss,
-    and, where a capacity factor dropped any, the routed slots dropped per step."""
+    where a capacity factor dropped any, the routed slots dropped per step, and, per MoE layer, the
+    most and the least loaded expert's share over the steps (a layer whose routing collapses shows
+    there, while the mean over layers hides it)."""
     rows = [m for m in run.metrics if m.get("expert_share")]
     if not rows:
         return None
@@ -256,9 +259,16 @@ def plot_router(run: Run, out: Path) -> Optional[str]:
     from matplotlib.colors import TwoSlopeNorm
 
     dropping = any(m.get("moe_dropped") for m in rows)  # a capacity factor that bit: the slots it cut
-    fig, axes = _axes(3 if dropping else 2)
+    layered = [m for m in rows if m.get("expert_share_max_by_layer") and m.get("moe_layers")]
+    ids = layered[-1]["moe_layers"] if layered else []
+    layered = [m for m in layered if m["moe_layers"] == ids]  # one set of layers (a resized model: the last)
+    n = 3 if dropping else 2
+    fig, axes = _axes(n, rows=2 if layered else 1)
+    axes, per_layer = axes[:n], axes[n:]  # the second row: per MoE layer
     heat, spread = axes[:2]
-    fig.set_figheight(4.2)
+    for ax in per_layer[2:]:
+        ax.set_axis_off()
+    fig.set_figheight(8.4 if layered else 4.2)
     steps = [m["step"] for m in rows]
     share = np.array([m["expert_share"] for m in rows]).T  # experts x steps
     hi = max(1.5, float(share.max()))
@@ -289,6 +299,21 @@ def plot_router(run: Run, out: Path) -> Optional[str]:
         axes[2].set_ylabel("routed slots dropped (over capacity)")
         axes[2].set_title(f"{sum(m.get('moe_dropped', 0) for m in rows):,} dropped over the logged steps", fontsize=9)
         axes[2].grid(alpha=0.3)
+    if layered:
+        lsteps = [m["step"] for m in layered]
+        for ax, key, what in ((per_layer[0], "expert_share_max_by_layer", "most"),
+                              (per_layer[1], "expert_share_min_by_layer", "least")):
+            values = np.array([m[key] for m in layered]).T  # MoE layers x steps
+            im = ax.imshow(values, aspect="auto", origin="lower", cmap="RdBu_r", interpolation="nearest",
+                           norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, float(values.min())),
+                                             vmax=max(1.5, float(values.max()))),
+                           extent=(lsteps[0] - 0.5, lsteps[-1] + 0.5, -0.5, len(ids) - 0.5))
+            fig.colorbar(im, ax=ax, label="share of tokens / even share")
+            ax.set_title(f"the {what} loaded expert of each MoE layer", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylabel("MoE layer (block)")
+            ticks = range(0, len(ids), max(1, len(ids) // 12))
+            ax.set_yticks(list(ticks), [str(ids[i]) for i in ticks])
     return _save(fig, out / "router.png")
 
 

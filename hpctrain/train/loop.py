@@ -98,7 +98,7 @@ class Trainer:
             shard_group=self.dp_mesh.get_group() if self.spec.data_parallel == "replicate_zero1" else None)
         self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
         self.routers = RouterStats(self.parts, cfg.model.moe.experts, cfg.model.moe.bias_update_rate,
-                                   self.dp_mesh.get_group(), self.pp_group, device)
+                                   self.dp_mesh.get_group(), self.pp_group, device, blocks=cfg.model.n_layers)
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
         # Each cp rank's balancing losses are its part of the sequence's, and the gradients are averaged
         # over the cp ranks (which are data-parallel ranks for them): x cp makes the sum the whole's.
@@ -368,7 +368,7 @@ class Trainer:
                 self._measured_save(lambda: self.ckpt.after_step(self.step))
                 if mem is not None:
                     if self.step == cfg.train.steps:  # the end's save, measured with its step
-                        self._measured_save(lambda: self.ckpt.finish(self.step))
+                        self._measured_save(self._save_end)
                     self._log(logger, loss_v, norm_v, lr, dt, val, extra=mem.take())
                 if prof is not None:
                     prof.end(self.step)
@@ -376,7 +376,7 @@ class Trainer:
                 prof.close()  # a window a preemption cut short: what it recorded
             if status == "completed":
                 beat(self.step, "save")
-                self.ckpt.finish(self.step)
+                self._save_end()
             self.ckpt.close()
         finally:
             if prof is not None:
@@ -390,6 +390,14 @@ class Trainer:
         if self.rank == 0:
             write_outcome(self.run_dir, outcome.__dict__ | {"losses": None})
         return outcome
+
+    def _save_end(self) -> None:
+        """The end of a completed run: checkpoint.every's last save, and with checkpoint.final (the default)
+        the last step whatever checkpoint.every says, so that a run ends with a model to export. Not again
+        when this start resumed from that very step."""
+        self.ckpt.finish(self.step)
+        if self.cfg.checkpoint.final and self.ckpt.last_saved != self.step and self.resumed_from != self.step:
+            self.ckpt.save(self.step, blocking=True)
 
     def _measured_save(self, save) -> None:
         """Run save(), a checkpoint call that saves this step or not; under profile.memory a save's

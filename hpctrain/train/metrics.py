@@ -39,8 +39,12 @@ class MetricsLogger:
         self.file = open(self.path, "a", buffering=1)
         self.total = total_steps
         self.stream = stream or sys.stdout
-        # An updating line only where a person watches a terminal; plain lines elsewhere (logs, CI).
-        self.live = self.stream.isatty() if live is None else live
+        # An updating line only where a person watches a terminal; plain lines elsewhere (logs, CI). The
+        # local launcher copies rank 0's output to the terminal and to logs/rank-0.log through a pipe,
+        # and says when the terminal is one (hpctrain.launch.local.LIVE_ENV).
+        if live is None:
+            live = self.stream.isatty() or (stream is None and os.environ.get("HPCTRAIN_LIVE_PROGRESS") == "1")
+        self.live = live
         self._start = time.monotonic()
         self._first_step: int | None = None
         self._last_step: int | None = None
@@ -95,6 +99,8 @@ class MetricsLogger:
         line = (f"[{bar}] step {step}/{self.total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                 f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  "
                 f"mem {r['mem_bytes'] / 2**30:.2f} GiB  eta {fmt_duration(eta)}")
+        if "expert_share_min" in r:  # Mixture-of-Experts: the least and most loaded expert of any layer
+            line += f"  expert share {r['expert_share_min']:.2f}-{r['expert_share_max']:.2f}"
         if "val_loss" in r:
             line += f"  val loss {r['val_loss']:.4f} ppl {r['val_ppl']:,.2f}"
         if self.live:

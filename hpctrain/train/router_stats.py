@@ -6,20 +6,36 @@ everywhere). Auxiliary-loss-free balancing (model.moe.bias_update_rate = gamma) 
 layer's bias by gamma towards balance: +gamma for an expert that got fewer slots than the mean,
 -gamma for one that got more (DeepSeek-V3 report, section 2.1.2). The metrics (balancing losses, each
 expert's share of the slots relative to an even split, dropped slots) are reduced over the pipeline
-stages too, on the steps that are logged.
+stages too, on the steps that are logged; the least and most loaded expert's share is also kept per
+MoE layer (by block number), for the run report's per-layer view.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from hpctrain.models.moe import moe_modules
+from hpctrain.models.moe import MoE
+
+
+def _block(name: str) -> int | None:
+    """The block number in a module's name (`layers.12.moe` -> 12), or None."""
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
 
 
 class RouterStats:
     def __init__(self, parts: list, experts: int, bias_update_rate: float, dp_group, pp_group=None,
-                 device: torch.device | str = "cpu"):
-        self.modules = [m for part in parts for m in moe_modules(part)]
+                 device: torch.device | str = "cpu", blocks: int | None = None):
+        """`blocks`: the model's block count (model.n_layers): every pipeline stage's per-layer metrics
+        are laid out over it."""
+        named = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, MoE)]
+        self.modules = [m for _, m in named]
+        ids = [_block(name) for name, _ in named]
+        self.block_ids = ids if None not in ids else list(range(len(named)))
+        self.blocks = max([blocks or 0, *(i + 1 for i in self.block_ids)])
         self.experts, self.device = experts, torch.device(device)
         self.rate, self.dp_group, self.pp_group = bias_update_rate, dp_group, pp_group
         self.loads = None  # (layers here, experts): the last step's routed slots, over data parallel
@@ -54,12 +70,17 @@ class RouterStats:
         if not self.experts or (self.loads is None and self.pp_group is None):
             return {}
         dp = dist.get_world_size(self.dp_group)
+        # Per block: [-least, most] loaded expert's share; -inf where this rank holds no MoE layer.
+        by_block = torch.full((2, self.blocks), float("-inf"), device=self.device)
         if self.loads is not None:
             share = self.loads / self.loads.sum(-1, keepdim=True).clamp(min=1) * self.loads.shape[-1]
             lo, hi = share.min().item(), share.max().item()
             total = torch.cat([self.sums.sum(0)[:3].float(), torch.tensor([len(self.modules)], dtype=torch.float32,
                                                                          device=share.device)])
             per_expert = share.sum(0)
+            ids = torch.tensor(self.block_ids, device=by_block.device)
+            by_block[0, ids] = -share.min(-1).values.to(by_block)
+            by_block[1, ids] = share.max(-1).values.to(by_block)
         else:  # a pipeline stage without MoE layers still joins the collectives
             lo, hi, total, per_expert = float("inf"), float("-inf"), torch.zeros(4, device=self.device), None
         if self.pp_group is not None:
@@ -71,9 +92,14 @@ class RouterStats:
             experts = torch.zeros(self.experts, device=device) if per_expert is None else per_expert
             dist.all_reduce(experts, group=self.pp_group)
             per_expert = experts
+            dist.all_reduce(by_block, op=dist.ReduceOp.MAX, group=self.pp_group)
         aux, z, dropped, layers = total.tolist()
         if not layers:
             return {}
+        held = torch.isfinite(by_block[1])
         return {"moe_aux_loss": aux / dp, "moe_z_loss": z / dp, "expert_share_min": lo, "expert_share_max": hi,
                 "moe_dropped": int(dropped),
-                "expert_share": [round(v, 4) for v in (per_expert / layers).tolist()]}
+                "expert_share": [round(v, 4) for v in (per_expert / layers).tolist()],
+                "moe_layers": held.nonzero().flatten().tolist(),
+                "expert_share_min_by_layer": [round(v, 4) for v in (-by_block[0][held]).tolist()],
+                "expert_share_max_by_layer": [round(v, 4) for v in by_block[1][held].tolist()]}
