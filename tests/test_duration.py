@@ -21,9 +21,12 @@ def problem(*overrides: str):
     return D.time_limit_problem(cfg, D.duration(cfg, p))
 
 
-@pytest.mark.parametrize("steps,every,saves", [(100, 10, 10), (100, 30, 4), (100, 0, 0), (7, 10, 1)])
-def test_saves_count_the_last_steps_save(steps, every, saves):
-    assert D.saves_of(steps, every) == saves
+@pytest.mark.parametrize("steps,every,final,saves", [(100, 10, True, 10), (100, 30, True, 4), (100, 0, True, 1),
+                                                    (100, 0, False, 0), (7, 10, True, 1), (7, 10, False, 1)])
+def test_saves_count_the_last_steps_save(steps, every, final, saves):
+    """checkpoint.final (the default) saves the last step even with checkpoint.every=0; saving on, the
+    last step is saved anyway. Mutant: the final save not priced (100, 0, True -> 0)."""
+    assert D.saves_of(steps, every, final) == saves
 
 
 def test_the_70b_experiment_is_told_it_does_not_fit_its_hour_and_each_fix_works():
@@ -32,7 +35,7 @@ def test_the_70b_experiment_is_told_it_does_not_fit_its_hour_and_each_fix_works(
     lead kept, an off-by-one in what fits, a chain that is not counted)."""
     cfg, p = plan_of()
     d = D.duration(cfg, p)
-    assert d.total_s == pytest.approx(60 + 100 * p.time.step_time_s)
+    assert d.total_s == pytest.approx(60 + 100 * p.time.step_time_s + d.save_s)  # checkpoint.final's save
     text = problem()
     assert text and "cluster.time=01:00:00" in text and "train.steps=100" in text
     fixes = dict(re.findall(r"(cluster\.time|train\.steps|launcher\.chain)=([\w:]+) \(", text.split("Fix: ")[1]))

@@ -24,9 +24,12 @@ class Duration:
         return self.start_s + self.steps * self.step_s + self.saves * self.save_s
 
 
-def saves_of(steps: int, every: int) -> int:
-    """Saves in a run: every `every` steps, and the last step's (hpctrain.checkpoint.manager.finish)."""
-    return 0 if every <= 0 else steps // every + (steps % every != 0)
+def saves_of(steps: int, every: int, final: bool = True) -> int:
+    """Saves in a run: every `every` steps, and the last step's (hpctrain.checkpoint.manager.finish when
+    saving is on; checkpoint.final, the default, whatever `every` says: hpctrain.train.loop._save_end)."""
+    if every <= 0:
+        return int(final and steps > 0)
+    return steps // every + (steps % every != 0)
 
 
 def duration(cfg: Config, plan) -> Duration:
@@ -37,7 +40,7 @@ def duration(cfg: Config, plan) -> Duration:
     else:
         save_s = per_rank * m.ranks_per_node / (c.checkpoint_gbps * GB)
     return Duration(MIN_WORK_S, cfg.train.steps, plan.time.step_time_s,
-                    saves_of(cfg.train.steps, cfg.checkpoint.every), save_s)
+                    saves_of(cfg.train.steps, cfg.checkpoint.every, cfg.checkpoint.final), save_s)
 
 
 def hms(seconds: float) -> str:
@@ -45,7 +48,7 @@ def hms(seconds: float) -> str:
 
 
 def describe(d: Duration) -> str:
-    saves = f" + {d.saves} saves x {d.save_s:.3g} s" if d.saves else ""
+    saves = f" + {d.saves} save{'' if d.saves == 1 else 's'} x {d.save_s:.3g} s" if d.saves else ""
     return (f"whole run: {hms(d.total_s)} = start-up {d.start_s:.0f} s + {d.steps} steps x {d.step_s:.3g} s"
             f"{saves}")
 
@@ -67,7 +70,10 @@ def time_limit_problem(cfg: Config, d: Duration) -> str | None:
         return None
     need = d.total_s + cfg.cluster.signal_lead_s
     per_job = limit - cfg.cluster.signal_lead_s - d.start_s
-    fits = max(0, int(links * per_job / (d.step_s + (d.save_s / cfg.checkpoint.every if cfg.checkpoint.every else 0))))
+    every = cfg.checkpoint.every
+    # The steps that fit, once the last step's save (checkpoint.final, or saving on) is kept room for.
+    last_save = d.save_s if (every > 0 or cfg.checkpoint.final) else 0.0
+    fits = max(0, int((links * per_job - last_save) / (d.step_s + (d.save_s / every if every > 0 else 0))))
     chains = -(-(d.total_s - d.start_s) // per_job) if per_job > 0 else None
     fixes = [f"cluster.time={hms(need * 1.1)} (the run and its last save, with 10% to spare)",
              f"train.steps={fits} (what fits)"]
