@@ -108,3 +108,31 @@ def test_the_world_size_rule_names_every_degree():
     for key, doc in rules.items():
         product = " ".join(doc.split()).split(" must equal the world size")[0].rsplit(". ", 1)[-1]
         assert set(re.findall(r"[a-z_]+", product)) - {"x"} == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}, (key, product)
+
+
+def test_the_install_line_installs_the_versions_the_suite_passed_on():
+    """The README's install line uses constraints.txt, which pins every dependency pyproject.toml names
+    (core and the dev extra) to one version inside pyproject's range, and .ci/run runs the README's own
+    lines in a fresh venv. Mutants: a new dependency in pyproject.toml without a pin (a fresh machine
+    would get whatever is newest); a pin outside the allowed range; .ci/run installing its own line."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    block = (REPO / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[0].startswith("pip install -c constraints.txt ") and block[1] == "pytest", block
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for text in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in constraints.txt: bash .ci/refresh-constraints"
+        assert req.specifier.contains(pins[name], prereleases=True), (text, pins[name])
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "readme_line 1" in ci and "readme_line 2" in ci and "python3 -m venv" in ci and "pip install" not in \
+        ci.replace("is not a pip install", "").replace('"pip install "*', "")
