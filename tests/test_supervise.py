@@ -131,3 +131,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback_and_is_recorded(tmp_p
     assert rec["cause"] == "stopped" and "second Ctrl-C" in rec["detail"], rec
     assert list_complete(run / "checkpoints") == []  # it did not wait for the save
     assert "no checkpoint was written before the run ended" in said  # the summary of a run that ends so
+    # No rank wrote an outcome (killed at once): the supervisor's says how it ended, with the summary.
+    # Mutant: the summary written only into an outcome a rank left (none here).
+    outcome = json.loads((run / "outcome.json").read_text())
+    assert outcome["status"] == "stopped" and outcome["summary"]["checkpoint"] is None, outcome
+    assert "nothing was saved yet: the same command starts again from step 1" in said, said[-3000:]

@@ -85,11 +85,14 @@ def describe(s: dict) -> list[str]:
     return lines
 
 
-def record(run_dir: str | Path, cfg: Config) -> list[str]:
-    """Summarize the run, write the summary into its outcome.json where there is one, and return the
-    lines to print."""
+def record(run_dir: str | Path, cfg: Config, ended_as: str | None = None) -> list[str]:
+    """Summarize the run, write the summary into its outcome.json, and return the lines to print. Where
+    no rank wrote an outcome (ranks stopped at once, or a run given up) and `ended_as` says how it
+    ended (stopped, failed), the outcome is that status at the last logged step."""
     s = summarize(run_dir, cfg)
     outcome = read_outcome(run_dir)
+    if outcome is None and ended_as:
+        outcome = {"status": ended_as, "step": s["step"], "checkpoint": s.get("checkpoint")}
     if outcome is not None:
         write_outcome(run_dir, {**outcome, SUMMARY: s})
     return describe(s)

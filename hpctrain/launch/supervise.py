@@ -86,9 +86,8 @@ class Supervisor:
             if nodes is None:
                 return 1
             if self.stopping:  # a Ctrl-C (or scancel) between starts: no new one
-                say(f"stopped by {signal.Signals(self.stopping).name} before start {attempt}; run the same command "
-                    "again to resume")
-                self._summary()
+                say(f"stopped by {signal.Signals(self.stopping).name} before start {attempt}; {self._again()}")
+                self._summary("stopped")
                 return 130
             clear_outcome(self.run_dir)
             started = time.time()
@@ -112,8 +111,8 @@ class Supervisor:
                        if ended.stopped_now else
                        f"{signal.Signals(stop).name} to the launcher: stopped without saving")
                 self._record(Failure(STOPPED, detail=how, failed_at=time.time()), attempt)
-                say("stopped by a signal: not restarting; run the same command again to resume")
-                self._summary()
+                say(f"stopped by a signal: not restarting; {self._again()}")
+                self._summary("stopped")
                 return 130 if ended.stopped_now else (ended.rc or 130)
             failure = self._classify(attempt, nodes, ended)
             self._record(failure, attempt)
@@ -196,14 +195,21 @@ class Supervisor:
             path, text = self.runner.log_tail(rank)
             msg += f"\n--- {where}, its log: {path} ---\n{text}" if text else f" ({where}; its log: {path})"
         print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
-        self._summary()
+        self._summary("failed")
         return 1
 
-    def _summary(self) -> None:
-        """What the run leaves, as it ends here (hpctrain.launch.summary), also into outcome.json. A
+    def _again(self) -> str:
+        """What running the same command again does: resume, or (nothing saved yet) start over."""
+        if list_complete(self.run_dir / "checkpoints"):
+            return "run the same command again to resume"
+        return "nothing was saved yet: the same command starts again from step 1"
+
+    def _summary(self, ended_as: str | None = None) -> None:
+        """What the run leaves, as it ends here (hpctrain.launch.summary), also into outcome.json (written
+        with `ended_as` as its status where no rank wrote one: a run stopped at once or given up). A
         summary that cannot be made never changes how the run ends."""
         try:
-            lines = summary.record(self.run_dir, self.cfg)
+            lines = summary.record(self.run_dir, self.cfg, ended_as)
         except Exception as e:  # noqa: BLE001 - the run's end is said above; this is extra
             lines = [f"no summary: {type(e).__name__}: {e}"]
         for line in lines:
