@@ -68,6 +68,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (not on_slurm(item), -COSTLY.get(item.path.name, 0)))
 
 
+def pytest_configure(config):
+    """--dist loadgroup (pyproject's addopts) sends each group to one worker by a "@group" suffix that
+    pytest-xdist 3.8 writes into a node's `_nodeid`; pytest 9.1 reads node ids from elsewhere, so the
+    groups silently fell apart and every worker ran every file's launches (the suite took 36 minutes
+    instead of 15, and the Slurm fault tests failed under the load). Refused instead."""
+    from _pytest.nodes import Node
+
+    if config.getoption("dist", "no") == "loadgroup" and "_nodeid" not in getattr(Node, "__slots__", ("_nodeid",)):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__}'s node ids ignore the group pytest-xdist's --dist loadgroup gives them, "
+            "so each worker would run every file's launches. Fix: install as the README says (constraints.txt "
+            "pins pytest 9.0.3), or run without workers: pytest -p no:xdist -o addopts=")
+
+
 def on_slurm(item) -> bool:
     return item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ())
 
