@@ -62,7 +62,8 @@ def test_the_run_ends_with_a_summary_of_its_own_records(with_eval):
     assert (s["step"], s["tokens"], s["loss"]) == (12, rows[-1]["tokens"], rows[-1]["loss"])
     assert (s["val_loss"], s["val_step"], s["best_val_loss"], s["best_val_step"]) == \
         (val[-1]["val_loss"], 12, best["val_loss"], best["step"])
-    assert (s["goodput"], s["wall_s"]) == (g.goodput, g.wall_s) and 0 < g.goodput < 1
+    # The same figures as hpctrain.report.goodput's (read, not timed anew): no speed is asserted here.
+    assert not g.problems and (s["goodput"], s["wall_s"]) == (g.goodput, g.wall_s)
     assert s["checkpoint"] == str(d / "checkpoints" / "step-00000012")
     said = [line.removeprefix("hpctrain: ") for line in proc.stderr.splitlines()[-6:]]
     assert said[0] == "completed at step 12", proc.stderr[-2000:]
