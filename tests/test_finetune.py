@@ -511,12 +511,25 @@ def test_bad_fine_tuning_keys_are_refused_on_the_login_node(chat_shards, tmp_pat
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    from safetensors.torch import save_file
+
+    from hpctrain.core.adapters import adapter_shapes
+
+    # A file with every tensor the model's adapters have (the login node reads its header).
+    model = compose(["+experiment=tiny", "model.lora.rank=4", "model.lora.alpha=8",
+                     "model.lora.targets=[q_proj,v_proj]"]).model
+    save_file({k: torch.zeros(s) for k, s in adapter_shapes(model).items()}, adapter / "adapter_model.safetensors")
     assert "has rank 4 and alpha 8, the run asks for model.lora.rank=8" in said(
         "model.lora.rank=8", "model.lora.alpha=8", f"model.lora.init_from={adapter}")
     assert "but model.lora.rank=0. Fix: model.lora.rank=<the adapter's r>" in said(f"model.lora.init_from={adapter}")
-    assert said("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-                "model.lora.targets=[q_proj,v_proj]") == ""
+    good = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+            "model.lora.targets=[q_proj,v_proj]")
+    assert said(*good) == ""
+    # A tensor the model has no adapter for is refused there too, not dropped on the ranks (mutant: the
+    # login node's read_adapter_config called without the model).
+    save_file({**{k: torch.zeros(s) for k, s in adapter_shapes(model).items()},
+               "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 8)}, adapter / "adapter_model.safetensors")
+    assert "holds 1 tensor this run's model has no adapter for" in said(*good)
 
 
 # --- the planner under LoRA ----------------------------------------------------------------------

@@ -12,16 +12,10 @@ from pathlib import Path
 from hpctrain.core import hf_format as hf
 from hpctrain.core import outdir
 from hpctrain.core.shape import is_adapter
-from hpctrain.core.adapters import CONFIG, WEIGHTS, AdapterError, read_adapter_config  # noqa: F401 (re-exported)
+from hpctrain.core.adapters import (CONFIG, PREFIX, WEIGHTS, AdapterError, peft_name,  # noqa: F401 (re-exported)
+                                    read_adapter_config)
 
 TOOL = "hpctrain.checkpoint export --format peft"
-PREFIX = "base_model.model."
-
-
-def peft_name(name: str, arch: str) -> str:
-    """hpctrain's layers.0.attention.wq.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
-    layer, which = name.rsplit(".", 1)
-    return PREFIX + hf.to_hf(f"{layer}.weight", arch)[:-len("weight")] + f"{which}.weight"
 
 
 def adapter_config(lora, arch: str, base: str | None) -> dict:
@@ -68,12 +62,13 @@ def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict
     return config
 
 
-def read_adapter(path: str | os.PathLike, lora) -> dict:
-    """{PEFT name: tensor} of an adapter directory, checked against model.lora (rank, alpha)."""
+def read_adapter(path: str | os.PathLike, model_cfg) -> dict:
+    """{PEFT name: tensor} of an adapter directory, checked first against the model's adapters
+    (read_adapter_config: its options and every tensor's name and shape, from the header)."""
     from safetensors.torch import load_file
 
     d = Path(path)
-    read_adapter_config(d, lora)
+    read_adapter_config(d, model_cfg.lora, model_cfg)
     try:
         return load_file(str(d / WEIGHTS))
     except Exception as e:  # safetensors raises its own error type on a damaged file
@@ -89,7 +84,7 @@ def load_peft(parts: list, path: str | os.PathLike, model_cfg) -> int:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     arch = hf.architecture(model_cfg)
-    tensors = read_adapter(path, model_cfg.lora)
+    tensors = read_adapter(path, model_cfg)
     n = 0
     with torch.no_grad():
         for part in parts:

@@ -6,6 +6,12 @@ data_offsets}}, then the bytes (https://huggingface.co/docs/safetensors). A mode
 `model.safetensors.index.json` ({"weight_map": {name: file}}). The login node reads only headers: a
 model of any size is checked in milliseconds, before any rank starts.
 
+Nothing is read as something else: a config.json key that makes the checkpoint another model than
+hpctrain's blocks (FEATURES: biases, another activation, sliding windows, a RoPE scaling hpctrain does
+not implement, ...) is refused with its value and what hpctrain implements; a key left out takes
+transformers' default (DEFAULTS); sizes are bounded by arithmetic before any loop over the layers
+(MAX_TENSORS, MAX_ELEMENTS); and every tensor of the files must be one the model has (problems).
+
 The small files of a model directory (config.json, tokenizer_config.json, chat templates) are read with
 `read_small`: a regular file (a symlink's target), at most SMALL_FILE_BYTES, so that a FIFO or a device
 named like one neither hangs nor fills memory. `inside` resolves a file to copy out of a user's
@@ -36,6 +42,9 @@ MAX_HEADER = 100_000_000  # bytes: the safetensors library refuses a longer head
 # config.json, tokenizer_config.json, generation_config.json, chat templates: published ones are at most a
 # few MB (a tokenizer_config.json listing 100k+ added tokens); a larger one is not such a file.
 SMALL_FILE_BYTES = 64 << 20
+# Tensors some checkpoints hold that are derived from config.json, which transformers leaves unread too:
+# the RoPE frequencies of older Llama conversions (recomputed from rope_theta).
+DERIVED = (".rotary_emb.inv_freq",)
 AGAIN = "Fix: download it again (the file is damaged, or not a safetensors file)"
 
 # hpctrain name -> Hugging Face name; {i}: the block.
@@ -89,7 +98,7 @@ def read_small(path: str | os.PathLike, limit: int | None = None) -> bytes:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            raise HFError(f"{path} is not a regular file ({_file_kind(st.st_mode)}). Fix: replace it with the "
+            raise HFError(f"{path} is not a regular file ({file_kind(st.st_mode)}). Fix: replace it with the "
                           f"file it should be")
         if st.st_size > limit:
             raise HFError(f"{path} is {st.st_size:,} bytes, more than such a file can be ({limit:,}). Fix: replace "
@@ -100,7 +109,8 @@ def read_small(path: str | os.PathLike, limit: int | None = None) -> bytes:
     return data
 
 
-def _file_kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words (from its st_mode)."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
@@ -138,7 +148,7 @@ def inside(directory: str | os.PathLike, name: str) -> tuple[Path | None, str | 
     except OSError as e:
         return None, f"{p} cannot be read ({e.strerror or e})"
     if not stat.S_ISREG(mode):
-        return None, f"{p} is {_file_kind(mode)}"
+        return None, f"{p} is {file_kind(mode)}"
     return real, None
 
 
@@ -190,8 +200,12 @@ def hf_names(name: str, arch: str, experts: int) -> list[str]:
 
 
 def expected_shapes(m: ModelConfig) -> dict[str, tuple]:
-    """Hugging Face name -> shape, for a model config (the tied output projection is not stored)."""
+    """Hugging Face name -> shape, for a model config (the tied output projection is not stored);
+    HFError when there would be too many to list (count_problem)."""
     hd, arch, f = head_dim(m), architecture(m), expert_ffn(m)
+    too_big = count_problem(m.n_layers, m.moe.experts)
+    if too_big:
+        raise HFError(f"model.n_layers={m.n_layers}: {too_big}")
     attention = {"attention_norm.weight": (m.dim,), "attention.wq.weight": (m.n_heads * hd, m.dim),
                  "attention.wk.weight": (m.n_kv_heads * hd, m.dim), "attention.wv.weight": (m.n_kv_heads * hd, m.dim),
                  "attention.wo.weight": (m.dim, m.n_heads * hd), "ffn_norm.weight": (m.dim,)}
@@ -215,12 +229,13 @@ def expected_shapes(m: ModelConfig) -> dict[str, tuple]:
 
 def read_config(path: str | Path) -> dict:
     """model.init_from's config.json, checked: a JSON object of a Llama with the keys model_keys() reads,
-    each of its kind and range (HFError naming the file, the key and the fix)."""
+    each of its kind and range, no option hpctrain does not implement, sizes it can list (HFError naming
+    the file, the key and the fix)."""
     p = Path(path) / CONFIG
     if not Path(path).is_dir():
         raise HFError(f"model.init_from={path} is not a directory. Fix: point model.init_from at a Hugging Face "
                       "model directory (config.json and *.safetensors)")
-    if not p.is_file():
+    if not (p.exists() or p.is_symlink()):  # a FIFO or a device is there: read_small names it
         raise HFError(f"model.init_from={path} has no {CONFIG}: it is not a Hugging Face model directory. Fix: "
                       "point model.init_from at the directory that holds config.json and the *.safetensors files")
     raw = read_small(p)
@@ -284,8 +299,13 @@ def _config_problems(hf: dict) -> list[str]:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind is not None and not isinstance(kind, str):
             out.append(f"{key}.rope_type={json.dumps(kind)[:60]} must be a string")
-        if scaling.get("rope_theta") is not None and not _positive(scaling["rope_theta"]):
-            out.append(f"{show(key + '.rope_theta', scaling['rope_theta'])} must be a finite number above 0")
+        inner = scaling.get("rope_theta")
+        if inner is not None and not _positive(inner):
+            out.append(f"{show(key + '.rope_theta', inner)} must be a finite number above 0")
+        elif inner is not None and _positive(hf.get("rope_theta")) and inner != hf["rope_theta"]:
+            # transformers 5 takes the block's (its setdefault keeps it), earlier versions the top-level key
+            out.append(f"rope_theta={hf['rope_theta']} but {key}.rope_theta={inner}: transformers' versions read "
+                       f"different ones, so they must agree")
         if kind == "llama3":
             for k in _LLAMA3:
                 v = scaling.get(k)
@@ -317,6 +337,126 @@ def _check_config(hf: dict, where: str) -> None:
     if found:
         raise HFError(f"{where}: " + "; ".join(found) + ". Fix: download config.json again (the model's own, "
                       "from where its weights came), or correct those keys")
+    found = _unsupported(hf)
+    if found:
+        one = len(found) == 1
+        raise HFError(f"{where}: " + "; ".join(found) + f". hpctrain does not implement {'this' if one else 'these'}: "
+                      f"the model it would train is not the checkpoint's. Fix: a model without "
+                      f"{'it' if one else 'them'} (Llama, Qwen3, Mixtral, Qwen3-MoE as published)")
+    size = _size_problem(hf)
+    if size:
+        raise HFError(f"{where}: {size}. Fix: the model's own config.json (these sizes are not a model's)")
+
+
+# transformers' values for keys config.json leaves out (LlamaConfig, Qwen3Config, MixtralConfig and
+# Qwen3MoeConfig, 4.x and 5.x alike): a config.json without them is the model transformers builds.
+DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "decoder_sparse_step": 1},
+}
+
+
+def _given(hf: dict, key: str):
+    """config.json's value of `key`, or transformers' default for the model_type (no model_type: Llama)."""
+    v = hf.get(key)
+    return DEFAULTS.get(hf.get("model_type") or "llama", DEFAULTS["llama"]).get(key) if v is None else v
+
+
+def _off(*values):
+    """A FEATURES test: the key absent, null, or one of `values` (false is not 0, nor true 1)."""
+    return lambda v, hf: v is None or any(v == o and type(v) is not bool or v is o for o in values)
+
+
+def _whole_sequence(v, hf) -> bool:
+    """Qwen3's use_sliding_window: windowed layers are those from max_window_layers on (Qwen3-MoE: all)."""
+    if not v or hf.get("sliding_window") is None:
+        return True
+    last = hf.get("max_window_layers", 28)
+    return hf.get("model_type") == "qwen3" and _whole(last) and last >= hf["num_hidden_layers"]
+
+
+_DENSE_ATTN = ("llama", "qwen3", "qwen3_moe")  # the model_types whose attention reads attention_bias
+# config.json keys that change the model: (key, the model_types whose transformers model reads it (None:
+# all), whether a value is one hpctrain implements, what the key does, what hpctrain implements).
+FEATURES = (
+    ("hidden_act", None, lambda v, hf: v in (None, "silu", "swish"), "the feed-forward's activation",
+     "silu (swish)"),
+    ("attention_bias", _DENSE_ATTN, _off(False), "biases in the attention projections", "false"),
+    ("mlp_bias", ("llama",), _off(False), "biases in the feed-forward", "false"),
+    ("attention_dropout", None, _off(0), "dropout on the attention weights in training", "0.0"),
+    ("partial_rotary_factor", None, _off(1), "RoPE on part of each head", "1.0"),
+    ("quantization_config", None, _off(), "quantized weights", "none: F32, BF16 or F16 weights"),
+    ("router_jitter_noise", ("mixtral",), _off(0), "noise on the router's input in training", "0.0"),
+    ("sliding_window", ("mixtral",), _off(), "attention to the last sliding_window tokens only",
+     "null: attention to the whole sequence"),
+    ("use_sliding_window", ("qwen3", "qwen3_moe"), _whole_sequence,
+     "sliding-window attention in the layers from max_window_layers on", "false: attention to the whole sequence"),
+    ("layer_types", None, lambda v, hf: v is None or (isinstance(v, list) and set(v) <= {"full_attention"}),
+     "an attention kind per layer", "full_attention in every layer"),
+)
+ROPE_TYPES = ("default", "llama3")  # rope_scaling / rope_parameters' rope_type that hpctrain implements
+
+
+def _unsupported(hf: dict) -> list[str]:
+    """config.json's settings that change the model and that hpctrain does not implement, each with its
+    value and what hpctrain has instead (read after _config_problems: the sizes are whole numbers)."""
+    kind = hf.get("model_type") or "llama"
+    out = [f"{k}={json.dumps(hf[k])[:60]}: {what}; hpctrain implements {ours}" for k, types, ok, what, ours in FEATURES
+           if k in hf and (types is None or kind in types) and not ok(hf[k], hf)]
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = hf.get(key) or {}
+        rope = scaling.get("rope_type", scaling.get("type"))
+        if any(isinstance(v, dict) for v in scaling.values()):
+            out.append(f"{key}={json.dumps(scaling)[:60]}: a RoPE per layer type; hpctrain implements one for "
+                       f"all layers")
+        elif rope not in (None, *ROPE_TYPES):
+            out.append(f"{key}.rope_type={json.dumps(rope)[:40]}: a RoPE scaling; hpctrain implements "
+                       f"{' and '.join(ROPE_TYPES)} (Llama 3.1's)")
+        if not _off(1)(scaling.get("partial_rotary_factor"), hf):
+            out.append(f"{key}.partial_rotary_factor={json.dumps(scaling['partial_rotary_factor'])[:40]}: RoPE on "
+                       f"part of each head; hpctrain implements 1.0")
+    return out
+
+
+# The most tensors a model may have: ten times the largest published model's (Kimi K2, 61 layers of 384
+# experts: about 70,000). The login node lists them (expected_shapes) before any rank starts.
+MAX_TENSORS = 1_000_000
+MAX_ELEMENTS = 2**63 - 1  # torch counts a tensor's elements in a 64-bit integer
+
+
+def count_problem(layers: int, experts: int) -> str | None:
+    """Why a model of `layers` blocks of up to `experts` experts has too many tensors to list, by
+    arithmetic alone (before any loop over its layers)."""
+    tensors = layers * (12 + 3 * experts) + 3  # per block: at most 9 + 2 QK-norm + router, 3 per expert
+    if tensors <= MAX_TENSORS:
+        return None
+    return (f"{layers:,} layers" + (f" of {experts:,} experts" if experts else "") + f" are up to {tensors:,} "
+            f"tensors, more than hpctrain reads ({MAX_TENSORS:,}, ten times the largest published model's)")
+
+
+def elements_problem(dim: int, widths: dict) -> str | None:
+    """Why a model whose largest tensor is dim x max(widths) cannot be made (torch's element count)."""
+    key = max(widths, key=widths.get)
+    if dim * widths[key] <= MAX_ELEMENTS:
+        return None
+    return (f"{key}={widths[key]:,} x {dim:,} is a tensor of {dim * widths[key]:,} elements, more than torch counts "
+            f"({MAX_ELEMENTS:,})")
+
+
+def _size_problem(hf: dict) -> str | None:
+    """count_problem and elements_problem of a config.json (its sizes already checked as whole numbers)."""
+    heads, dim, experts = hf["num_attention_heads"], hf["hidden_size"], _experts(hf)
+    widths = {"vocab_size": hf["vocab_size"], "intermediate_size": hf["intermediate_size"],
+              "num_attention_heads x head_dim": heads * (hf.get("head_dim") or dim // heads),
+              "moe_intermediate_size": _given(hf, "moe_intermediate_size") or 0, "num_experts": experts}
+    found = count_problem(hf["num_hidden_layers"], experts)
+    if found:
+        return f"num_hidden_layers={hf['num_hidden_layers']}: {found}"
+    found = elements_problem(dim, widths)
+    return found and f"hidden_size={dim}: {found}"
 
 
 def model_keys(hf: dict) -> dict:
@@ -331,16 +471,14 @@ def model_keys(hf: dict) -> dict:
             "head_dim": given_hd if given_hd and given_hd * heads != hf["hidden_size"] else 0,
             "qk_norm": hf.get("model_type") in ("qwen3", "qwen3_moe"),
             "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_dim": hf["intermediate_size"],
-            "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps") or 1e-5),
-            "rope_theta": float(hf.get("rope_theta") or 10000.0),
+            "vocab_size": hf["vocab_size"], "norm_eps": float(_given(hf, "rms_norm_eps")),
+            "rope_theta": float(_given(hf, "rope_theta")),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "rope_scaling": 0.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
             "rope_original_max_seq_len": 8192}
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling and kind not in (None, "default"):
-        if kind != "llama3":
-            raise HFError(f"RoPE scaling {kind!r} is not supported (Llama 3.1's 'llama3' is)")
+    if kind == "llama3":  # the other kinds but "default" were refused (_unsupported)
         keys.update(rope_scaling=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
                     rope_high_freq_factor=float(scaling["high_freq_factor"]),
                     rope_original_max_seq_len=int(scaling["original_max_position_embeddings"]))
@@ -350,21 +488,30 @@ def model_keys(hf: dict) -> dict:
     return keys
 
 
+def _experts(hf: dict) -> int:
+    """The routed experts of a MoE layer that config.json gives (0: a dense model_type)."""
+    kind = hf.get("model_type")
+    if kind == "mixtral":
+        return _given(hf, "num_local_experts")
+    if kind == "qwen3_moe":  # published config.json files say num_experts; transformers 5 writes num_local_experts
+        return hf.get("num_experts") or hf.get("num_local_experts") or _given(hf, "num_experts")
+    return 0
+
+
 def _moe_keys(hf: dict) -> dict:
     """model.moe.* from a Mixtral or Qwen3-MoE config.json, as dotted keys ({} for a dense model)."""
     kind = hf.get("model_type")
     if kind == "mixtral":
-        experts, ffn, every, dense = hf.get("num_local_experts") or 8, 0, 1, 0
+        experts, ffn, every, dense = _experts(hf), 0, 1, 0
         norm = True
     elif kind == "qwen3_moe":
-        # Published config.json files say num_experts; transformers 5 writes num_local_experts.
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-        ffn = hf.get("moe_intermediate_size") or 0
-        every, norm = hf.get("decoder_sparse_step") or 1, bool(hf.get("norm_topk_prob", False))
+        experts = _experts(hf)
+        ffn = _given(hf, "moe_intermediate_size")
+        every, norm = _given(hf, "decoder_sparse_step"), bool(hf.get("norm_topk_prob", False))
         dense = len(hf.get("mlp_only_layers") or [])  # _config_problems: they are the first layers
     else:
         return {}
-    return {"moe.experts": experts, "moe.top_k": hf.get("num_experts_per_tok") or 2, "moe.ffn_dim": ffn,
+    return {"moe.experts": experts, "moe.top_k": _given(hf, "num_experts_per_tok"), "moe.ffn_dim": ffn,
             "moe.every": every, "moe.first_dense": dense, "moe.norm_topk": norm, "moe.router": "softmax",
             "moe.shared_experts": 0, "moe.route_scale": 1.0}
 
@@ -525,9 +672,9 @@ def tensors(path: str | Path) -> dict[str, tuple[str, tuple, str]]:
     index = d / INDEX
     files = {p.name for p in d.glob("*.safetensors")}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
+        try:  # it names no more tensors than the headers may hold
+            weight_map = json.loads(read_small(index, MAX_HEADER))["weight_map"]
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:  # HFError is a ValueError
             raise HFError(f"{index} is not a safetensors index ({type(e).__name__}: {e}). Fix: download it "
                           "again, or remove it (the *.safetensors files are read without it)") from None
         if not isinstance(weight_map, dict) or not all(
@@ -578,7 +725,14 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
         elif have[name][0] not in FLOAT_DTYPES:
             out.append(f"{Path(path) / have[name][2]}: {name} is {have[name][0]}, not floating point: the model's "
                        f"weights are. Fix: a checkpoint in F32, BF16 or F16")
-    return out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
+    out = out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
+    unused = sorted(n for n in have if n not in wanted and not n.endswith(DERIVED))
+    if unused:
+        few = ", ".join(unused[:3]) + (f", ... ({len(unused)} in all)" if len(unused) > 3 else "")
+        out.append(f"{path} holds {len(unused)} tensor{'s' * (len(unused) > 1)} that a model of its config.json "
+                   f"does not have (hpctrain would train without them: another model): {few}. Fix: the config.json "
+                   f"these weights came with, or weights of this model")
+    return out
 
 
 # ------------------------------------------------------------------------------------ command line
