@@ -14,14 +14,15 @@ from hpctrain.data.mixture import Mixture
 
 def build_dataset(cfg: Config, split: str = "train"):
     """The dataset a config names for `split` ("train" or "val"): indexable, each item `seq_len + 1`
-    token ids (input and target)."""
+    token ids (input and target), every id below model.vocab_size (shards refuse one that is not)."""
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticDataset(cfg.model.vocab_size, d.seq_len, d.seed, split, eos_id=d.eos_id,
                                 doc_len=d.synthetic_doc_len)
+    vocab = cfg.model.vocab_size
     if not d.sources:
-        return ShardDataset(d.path, d.seq_len, split)
-    return Mixture([ShardDataset(s.path, d.seq_len, split) for s in d.sources],
+        return ShardDataset(d.path, d.seq_len, split, vocab)
+    return Mixture([ShardDataset(s.path, d.seq_len, split, vocab) for s in d.sources],
                    [float(s.weight) for s in d.sources], d.seed)
 
 

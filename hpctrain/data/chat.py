@@ -8,7 +8,13 @@ else the `chat_template` of `chat_template.json` (a processor's older file). It 
 rendered the way transformers' `apply_chat_template` renders it (a sandboxed environment with
 trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception` and `strftime_now`, and the
 special tokens of tokenizer_config.json as variables), then tokenized without added special tokens.
-These files are read as regular files of bounded size (hpctrain.core.hf_format.read_small).
+As transformers does, a message's keys whose value is null are dropped first ("content": null in a
+tool call renders as a missing content). These files are read as regular files of bounded size inside
+the tokenizer's directory (hpctrain.data.tokenizer.side_file).
+
+A template is code that came with the tokenizer: it renders within a Budget (hpctrain.data.render_budget:
+characters, seconds per record, loop iterations, call depth), and a record that goes past it is refused
+with the limit and the fix, not by the machine running out of memory or time.
 
 The loss mask marks the tokens of the assistant's turns: for each assistant message, the text the
 template adds when that message is appended to the conversation rendered up to it with the generation
@@ -30,6 +36,7 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls
 TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE = "chat_template.jinja", "chat_template.json"
 NAMED_TEMPLATES = "additional_chat_templates"  # named alternatives only: not read
 TEMPLATE_FILES = (TEMPLATE_FILE, PROCESSOR_TEMPLATE_FILE)
+TEMPLATE_CHARS = 1 << 20  # published chat templates are under 100 KB; compiling one costs time per character
 
 
 class ChatError(ValueError):
@@ -45,10 +52,12 @@ def token_text(v) -> str | None:
 class ChatTemplate:
     """A tokenizer's chat template, compiled once (`origin`: the file it came from, for messages)."""
 
-    def __init__(self, source: str, special: dict[str, str] | None = None, origin: str = "the chat template"):
+    def __init__(self, source: str, special: dict[str, str] | None = None, origin: str = "the chat template",
+                 budget=None):
         import jinja2
         from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from hpctrain.data.render_budget import Budget, BudgetedEnvironment, compile_budgeted
 
         class Generation(Extension):  # {% generation %}: transformers' assistant marker; renders its body
             tags = {"generation"}
@@ -67,27 +76,37 @@ class ChatTemplate:
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+        def strftime_now(fmt):
+            return datetime.now().strftime(fmt)
+
+        if len(source) > TEMPLATE_CHARS:
+            raise ChatError(f"{origin} is {len(source):,} characters long, more than a chat template can be "
+                            f"({TEMPLATE_CHARS:,}). Fix: use the model's own template")
+        self.budget = budget or Budget()
+        env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols],
+                                  budget=self.budget)
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = strftime_now
         try:
-            self.template = env.from_string(source)
-        except jinja2.TemplateError as e:
-            raise ChatError(f"the chat template does not compile ({e}). Fix: correct {origin}") from None
+            self.template = compile_budgeted(env, source)
+        except (jinja2.TemplateError, RecursionError) as e:
+            why = e if isinstance(e, jinja2.TemplateError) else "it nests deeper than the parser goes"
+            raise ChatError(f"the chat template does not compile ({why}). Fix: correct {origin}") from None
         self.special, self.origin = dict(special or {}), origin
 
     @classmethod
-    def of(cls, tokenizer_json: str | Path) -> "ChatTemplate":
+    def of(cls, tokenizer_json: str | Path, budget=None) -> "ChatTemplate":
         """The template of the tokenizer directory that holds `tokenizer_json`, found where transformers
-        finds it (chat_template.jinja first), with tokenizer_config.json's special tokens."""
+        finds it (chat_template.jinja first), with tokenizer_config.json's special tokens; `budget`: a
+        render_budget.Budget (its defaults where None)."""
         d = Path(tokenizer_json).parent
         cfg_path = d / "tokenizer_config.json"
         cfg = _json_file(cfg_path, "--format chat renders with its special tokens and chat template. Fix: use "
                                    "the model's tokenizer directory, which has one")
         special = {k: t for k in SPECIAL if isinstance(cfg, dict) and (t := token_text(cfg.get(k))) is not None}
         if (d / TEMPLATE_FILE).exists() or (d / TEMPLATE_FILE).is_symlink():  # transformers: it wins over the config
-            return cls(_text_file(d / TEMPLATE_FILE), special, str(d / TEMPLATE_FILE))
+            return cls(_text_file(d / TEMPLATE_FILE), special, str(d / TEMPLATE_FILE), budget)
         source = cfg.get("chat_template") if isinstance(cfg, dict) else None
         origin = f"{cfg_path}'s chat_template"
         if isinstance(source, list):  # named templates: the default one
@@ -104,26 +123,46 @@ class ChatTemplate:
             raise ChatError(f"{cfg_path} has no chat_template, and {d} has no {TEMPLATE_FILE}{also}: a base model's "
                             f"tokenizer. Fix: use the chat (instruct) model's tokenizer, or --format prompt for "
                             f"prompt/completion pairs")
-        return cls(source, special, origin)
+        return cls(source, special, origin, budget)
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = False) -> str:
+        """The conversation as the template renders it, within the budget of one record."""
+        self.budget.start_record()
+        return self._render(messages, tools, add_generation_prompt)
+
+    def _render(self, messages: list, tools=None, add_generation_prompt: bool = False) -> str:
         import jinja2
 
+        from hpctrain.data.render_budget import BudgetError, render
+
         try:
-            return self.template.render(messages=messages, tools=tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **self.special)
+            return render(self.template, self.budget, messages=without_nulls(messages), tools=tools, documents=None,
+                          add_generation_prompt=add_generation_prompt, **self.special)
+        except BudgetError as e:
+            raise ChatError(f"rendering it with {self.origin} went past its budget: {e}. Fix: "
+                            + (f"if the record is that large, raise {e.flag}; else " if e.flag else "")
+                            + f"correct the template, or drop the record") from None
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template refused the conversation: {e}") from None
+        except RecursionError:
+            why = "a macro that calls itself, or a record nested that deep"
+            raise ChatError(f"rendering it with {self.origin} nests deeper than Python's stack ({why}). Fix: correct "
+                            f"the template, or drop the record") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, MemoryError) as e:
+            raise ChatError(f"the chat template failed on the conversation ({type(e).__name__}: {e}). Fix: correct "
+                            f"{self.origin}, or drop the record") from None
 
     def assistant_spans(self, messages: list, tools=None) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character spans of the assistant's turns)."""
-        text = self.render(messages, tools)
+        """(the rendered conversation, the character spans of the assistant's turns); its renderings share
+        the budget of one record."""
+        self.budget.start_record()
+        text = self._render(messages, tools)
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], tools, add_generation_prompt=True)
-            upto = self.render(messages[:i + 1], tools)
+            before = self._render(messages[:i], tools, add_generation_prompt=True)
+            upto = self._render(messages[:i + 1], tools)
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise ChatError(f"the chat template renders turn {i} differently once later turns follow (it edits "
                                 f"earlier turns, as reasoning templates drop old thinking): the assistant's tokens "
@@ -133,13 +172,22 @@ class ChatTemplate:
         return text, spans
 
 
+def without_nulls(messages: list) -> list:
+    """The messages as transformers hands them to the template: keys whose value is null dropped (a tool
+    call's "content": null is then a missing content, which templates handle)."""
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+
+
 def _read(path: Path, why: str = "") -> bytes:
-    from hpctrain.core.hf_format import HFError, read_small
+    from hpctrain.data.tokenizer import TokenizerError, side_file
 
     try:
-        return read_small(path)
-    except HFError as e:
+        data = side_file(path.parent, path.name)
+    except TokenizerError as e:
         raise ChatError(str(e) if "Fix:" in str(e) or not why else f"{e}: {why}") from None
+    if data is None:
+        raise ChatError(f"{path} is missing{': ' + why if why else ''}")
+    return data
 
 
 def _json_file(path: Path, fix: str):

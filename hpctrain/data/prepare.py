@@ -26,7 +26,6 @@ import json
 import multiprocessing
 import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,9 +35,9 @@ import numpy as np
 
 from hpctrain.core import outdir
 from hpctrain.core.outdir import OutputDirError
-from hpctrain.data.documents import PARQUET, TEXT, JSONL, CorpusError, corpus_files, documents
+from hpctrain.data.documents import PARQUET, TEXT, JSONL, CorpusError, corpus_files, documents, json_lines
 from hpctrain.data.shards import META, SPLITS
-from hpctrain.data.tokenizer import Encoder, TokenizerError
+from hpctrain.data.tokenizer import Encoder, TokenizerError, side_file
 
 BATCH_CHARS = 1 << 20  # text per task handed to a worker
 TOOL = "hpctrain.data.prepare"  # the name in the marker of its output directories
@@ -61,9 +60,12 @@ class _SplitWriter:
         self.pending: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []  # loss masks (chat and prompt data), one uint8 per token
         self.pending_tokens = self.tokens = self.documents = self.trained = 0
+        self.max_id = -1  # the largest id written: meta.json's max_token_id, checked against model.vocab_size
 
     def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.pending.append(ids)
+        if len(ids):
+            self.max_id = max(self.max_id, int(ids.max()))
         if mask is not None:
             self.masks.append(mask)
             self.trained += int(mask.sum())
@@ -116,14 +118,13 @@ def _batches(files: list[Path], text_field: str, stats: dict) -> Iterator[list[s
 
 def _too_deep(path: Path) -> int | str:
     """The line of `path` the JSON parser cannot nest into (read again: only on the way to an error)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                json.loads(line)
-            except RecursionError:
-                return n
-            except ValueError:
-                pass
+    for n, line in json_lines(path):
+        try:
+            json.loads(line)
+        except RecursionError:
+            return n
+        except ValueError:
+            pass
     return "?"
 
 
@@ -177,12 +178,14 @@ def prepare(src: Path, out: Path, tokenizer: str | os.PathLike | None = None, *,
         raise OutputDirError(f"{out} is inside the corpus directory {src}: the next prepare would read these shards "
                              f"as text. Fix: write the shards outside {src}")
     encoder = Encoder(tokenizer, eos)
+    tok_files = _tokenizer_files(encoder)
     with outdir.replacing(out, TOOL) as tmp:  # refuses a directory holding files prepare did not write
-        return _write(encoder, files, src, tmp, workers, val_fraction, seed, shard_bytes, text_field, progress)
+        return _write(encoder, tok_files, files, src, tmp, workers, val_fraction, seed, shard_bytes, text_field,
+                      progress)
 
 
-def _write(encoder: Encoder, files: list[Path], src: Path, out: Path, workers: int, val_fraction: float,
-           seed: int, shard_bytes: int, text_field: str, progress) -> dict:
+def _write(encoder: Encoder, tok_files: dict[str, bytes], files: list[Path], src: Path, out: Path, workers: int,
+           val_fraction: float, seed: int, shard_bytes: int, text_field: str, progress) -> dict:
     """Tokenize `files` into the new, empty directory `out`; returns meta.json's content."""
     shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize)
     writers = {s: _SplitWriter(out, s, encoder.dtype, shard_tokens) for s in SPLITS}
@@ -204,7 +207,8 @@ def _write(encoder: Encoder, files: list[Path], src: Path, out: Path, workers: i
         warnings.append(f"no validation split: none of the {doc} documents of {src} fell in the {val_fraction:g} "
                         f"share. For validation, prepare again with a larger --val-fraction")
     meta = {"format": 2, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
-            "tokenizer": _copy_tokenizer(encoder, out), "val_fraction": val_fraction, "seed": seed,
+            "max_token_id": max(w.max_id for w in writers.values()),
+            "tokenizer": _copy_tokenizer(encoder, tok_files, out), "val_fraction": val_fraction, "seed": seed,
             "files": len(files), "text_bytes": stats["bytes"], "documents": doc, "splits": splits, "warnings": warnings,
             "seconds": round(time.monotonic() - t0, 3)}
     (out / META).write_text(json.dumps(meta, indent=1))
@@ -214,19 +218,16 @@ def _write(encoder: Encoder, files: list[Path], src: Path, out: Path, workers: i
 def _records(files: list[Path]) -> Iterator[tuple[dict, str]]:
     """(record, "file:line") per JSON line of `files`."""
     for f in files:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line), f"{f}:{n}"
-                except (ValueError, RecursionError) as e:
-                    raise CorpusError(f"{f}:{n} is not a JSON object ({e}). Fix: one JSON object per line") from None
+        for n, line in json_lines(f):
+            try:
+                yield json.loads(line), f"{f}:{n}"
+            except (ValueError, RecursionError) as e:
+                raise CorpusError(f"{f}:{n} is not a JSON object ({e}). Fix: one JSON object per line") from None
 
 
 def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | None = None, val_fraction: float = 0.01,
                     seed: int = 0, seq_len: int | None = None, too_long: str = "truncate", pack: bool = True,
-                    shard_bytes: int = 64 << 20, progress=None) -> dict:
+                    shard_bytes: int = 64 << 20, budget=None, progress=None) -> dict:
     """Conversations (fmt chat) or prompt/completion pairs (fmt prompt) of JSON-lines files to shards
     with a loss mask beside each (hpctrain.data.chat). With `seq_len`, the sequences are laid out in
     windows of seq_len tokens (data.seq_len must then be the same): a record longer than a window is
@@ -245,8 +246,9 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
     if _inside(out, src):
         raise OutputDirError(f"{out} is inside the corpus directory {src}. Fix: write the shards outside {src}")
     encoder = Encoder(tokenizer, eos)
+    tok_files = _tokenizer_files(encoder)
     tok = encoder._load()
-    template = chat.ChatTemplate.of(encoder.path) if fmt == "chat" else None
+    template = chat.ChatTemplate.of(encoder.path, budget) if fmt == "chat" else None
     with outdir.replacing(out, TOOL) as tmp:
         shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize)
         if seq_len:
@@ -256,7 +258,10 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
         t0, stats = time.monotonic(), {"truncated": 0, "records": 0}
         for i, (record, where) in enumerate(_records(files)):
             chat.check_record(record, fmt, where)
-            ids, mask = chat.encode(record, fmt, tok, template, encoder.eos_id)
+            try:
+                ids, mask = chat.encode(record, fmt, tok, template, encoder.eos_id)
+            except chat.ChatError as e:
+                raise chat.ChatError(f"{where} (record {i + 1}): {e}") from None
             if fmt == "chat" and (ids[:-1] == encoder.eos_id).any():
                 raise CorpusError(f"{where}: the end-of-document token {encoder.eos!r} occurs inside the rendered "
                                   f"conversation (the template ends turns with it): documents would be cut at every "
@@ -297,41 +302,42 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
         meta = {"format": 2, "records": fmt, "loss_mask": True, "window": seq_len or 0,
                 "packed": bool(pack or not seq_len),
                 "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
-                "tokenizer": _copy_tokenizer(encoder, tmp), "val_fraction": val_fraction, "seed": seed,
+                "max_token_id": max(w.max_id for w in writers.values()),
+                "tokenizer": _copy_tokenizer(encoder, tok_files, tmp), "val_fraction": val_fraction, "seed": seed,
                 "files": len(files), "text_bytes": sum(f.stat().st_size for f in files), "documents": stats["records"],
                 "splits": splits, "warnings": warnings, "seconds": round(time.monotonic() - t0, 3)}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         return meta
 
 
-def _copy_tokenizer(encoder: Encoder, out: Path) -> dict:
-    """A copy of tokenizer.json (and its config and chat template files) beside the shards: training,
-    export and generation then read the very tokenizer the ids came from. The small files are read as
-    chat.py reads them: regular files of bounded size."""
-    from hpctrain.core.hf_format import HFError, read_small
+def _tokenizer_files(encoder: Encoder) -> dict[str, bytes]:
+    """tokenizer.json, its config and chat template files, to copy beside the shards: training, export and
+    generation then read the very tokenizer the ids came from. Read before the corpus, as the tokenizer
+    and chat.py read them (tokenizer.side_file: regular files of bounded size inside the tokenizer's
+    directory), so that one refused stops prepare at once and nothing from elsewhere reaches the shards."""
     from hpctrain.data.chat import TEMPLATE_FILES
 
     if encoder.path is None:
+        return {}
+    d = Path(encoder.path).parent
+    files = {"tokenizer.json": encoder.raw()}
+    for name in (*TEMPLATE_FILES, "tokenizer_config.json"):  # current transformers saves chat_template.jinja
+        data = side_file(d, name)
+        if data is not None:
+            files[name] = data
+    files.setdefault("tokenizer_config.json", json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos}, indent=1).encode())
+    return files
+
+
+def _copy_tokenizer(encoder: Encoder, files: dict[str, bytes], out: Path) -> dict:
+    """`files` (_tokenizer_files) written into `out`; meta.json's "tokenizer"."""
+    if encoder.path is None:
         return {"kind": "bytes", "eos": None}
-    src = Path(encoder.path)
-    shutil.copyfile(src, out / "tokenizer.json")
-    config = src.parent / "tokenizer_config.json"
-    for name in TEMPLATE_FILES:  # current transformers saves the template in chat_template.jinja
-        if (src.parent / name).exists() or (src.parent / name).is_symlink():
-            try:
-                (out / name).write_bytes(read_small(src.parent / name))
-            except HFError as e:
-                raise TokenizerError(str(e)) from None
-    if config.is_file():
-        try:
-            (out / "tokenizer_config.json").write_bytes(read_small(config))
-        except HFError as e:
-            raise TokenizerError(str(e)) from None
-    else:
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos}, indent=1))
-    digest = hashlib.sha256(src.read_bytes()).hexdigest()
-    return {"kind": "hf", "file": "tokenizer.json", "eos": encoder.eos, "sha256": digest}
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    return {"kind": "hf", "file": "tokenizer.json", "eos": encoder.eos,
+            "sha256": hashlib.sha256(files["tokenizer.json"]).hexdigest()}
 
 
 def _line(nbytes: int, docs: int, tokens: int, seconds: float) -> str:
@@ -360,6 +366,12 @@ def main(argv=None) -> int:
                          "(0: packed back to back) (default: %(default)s)")
     ap.add_argument("--too-long", choices=("truncate", "refuse"), default="truncate",
                     help="chat/prompt with --seq-len: a record longer than a window (default: %(default)s)")
+    ap.add_argument("--render-mb", type=float,
+                    help="chat: the largest value or text (millions of characters) rendering one record with the chat "
+                         "template may build; a record past it is refused (default: 16)")
+    ap.add_argument("--render-seconds", type=float,
+                    help="chat: the time rendering one record with the chat template may take; a record past it is "
+                         "refused (default: 10)")
     ap.add_argument("--no-pack", action="store_true",
                     help="chat/prompt with --seq-len: one record per window, the rest padded (no document mask needed)")
     ap.add_argument("--ext", default=",".join(TEXT + JSONL + PARQUET), help="file endings to read, comma-separated (default: %(default)s)")
@@ -370,6 +382,11 @@ def main(argv=None) -> int:
     if args.format != "text" and args.no_pack and not args.seq_len:
         print("error: --no-pack pads each record to a window: give --seq-len (data.seq_len)", file=sys.stderr)
         return 2
+    for flag, value in (("--render-mb", args.render_mb), ("--render-seconds", args.render_seconds)):
+        if value is not None and (args.format != "chat" or not value > 0):
+            print(f"error: {flag} {value:g}: " + ("a budget must be above 0" if args.format == "chat" else
+                  "only --format chat renders a template"), file=sys.stderr)
+            return 2
     try:
         if args.format != "text":
             from hpctrain.data.chat import ChatError
@@ -378,6 +395,7 @@ def main(argv=None) -> int:
                 meta = prepare_records(args.src, args.out, args.tokenizer, args.format, eos=args.eos,
                                        val_fraction=args.val_fraction, seed=args.seed, seq_len=args.seq_len or None,
                                        too_long=args.too_long, pack=not args.no_pack, shard_bytes=args.shard_mb << 20,
+                                       budget=_budget(args.render_mb, args.render_seconds),
                                        progress=lambda line: print(line, file=sys.stderr, flush=True))
             except ChatError as e:
                 raise CorpusError(str(e)) from None
@@ -399,6 +417,13 @@ def main(argv=None) -> int:
     print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
     print(next_command(meta, args.out, args.tokenizer))
     return 0
+
+
+def _budget(mb: float | None, seconds: float | None):
+    """--render-mb and --render-seconds as a render_budget.Budget (its defaults for those not given)."""
+    from hpctrain.data.render_budget import Budget
+
+    return Budget(seconds=seconds or Budget.seconds, chars=int(mb * 1e6) if mb else Budget.chars)
 
 
 def next_command(meta: dict, out: Path, tokenizer: str | None) -> str:

@@ -1,5 +1,10 @@
 """Documents to token ids: any Hugging Face `tokenizer.json` (through the `tokenizers` library), or
-UTF-8 bytes when none is given. Every document ends with the end-of-document id."""
+UTF-8 bytes when none is given. Every document ends with the end-of-document id.
+
+The files of a tokenizer directory (tokenizer.json, tokenizer_config.json, chat templates) are read with
+`side_file` only: a regular file of bounded size whose real path lies inside the directory. prepare copies
+them beside the shards, so a symlink to a file elsewhere (a key, a config of another program) would carry
+that file into a directory that gets shared."""
 from __future__ import annotations
 
 import json
@@ -13,10 +18,32 @@ from hpctrain.data.shards import dtype_for
 
 # Tried in order when neither --eos nor a tokenizer_config.json beside tokenizer.json names one.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+# Published tokenizer.json files are at most ~35 MB (256k-token vocabularies with their merges).
+TOKENIZER_BYTES = 256 << 20
 
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be used; the message names the file and the fix."""
+
+
+def side_file(directory: Path, name: str, limit: int | None = None) -> bytes | None:
+    """The bytes of directory/name, None when it is absent; TokenizerError when it is not a regular file of
+    at most `limit` bytes (hf_format.read_small) or leads outside `directory` once symlinks are resolved
+    (hf_format.inside)."""
+    from hpctrain.core.hf_format import HFError, inside, read_small
+
+    real, why = inside(directory, name)
+    if real is None and why is None:
+        return None
+    try:  # what it is first (a FIFO, a device, too large), then where it is
+        data = read_small(real if real is not None else Path(directory) / name, limit)
+    except HFError as e:
+        raise TokenizerError(str(e)) from None
+    if real is None:
+        raise TokenizerError(f"{why}: a tokenizer's files are read from its own directory only (prepare copies "
+                             f"them beside the shards). Fix: copy the file into {directory} if it belongs to this "
+                             f"tokenizer, or remove the link")
+    return data
 
 
 def tokenizer_file(path: str | os.PathLike) -> Path:
@@ -24,20 +51,19 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
-    if not p.is_file():
+    if not (p.exists() or p.is_symlink()):
         raise TokenizerError(f"{p} does not exist. Fix: pass a Hugging Face tokenizer.json (or the model directory "
                              f"that holds one), or make a small one: python -m hpctrain.data.example <dir>")
     return p
 
 
 def configured_eos(tokenizer_json: Path) -> str | None:
-    """The eos_token of the tokenizer_config.json beside tokenizer.json, where there is one."""
-    from hpctrain.core.hf_format import read_small
-
-    cfg = tokenizer_json.parent / "tokenizer_config.json"
+    """The eos_token of the tokenizer_config.json beside tokenizer.json, where there is one (its content
+    only suggests the token: not JSON is no suggestion; a FIFO, a device or a link outside is refused)."""
+    raw = side_file(tokenizer_json.parent, "tokenizer_config.json")
     try:
-        doc = json.loads(read_small(cfg))  # a regular file of bounded size (HFError, a ValueError, otherwise)
-    except (ValueError, RecursionError):  # absent, not a plain file, not JSON, nested past the parser's depth
+        doc = json.loads(raw) if raw is not None else None
+    except (ValueError, RecursionError):  # not JSON, nested past the parser's depth
         return None
     eos = doc.get("eos_token") if isinstance(doc, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -55,7 +81,9 @@ class Encoder:
             self.dtype = "uint8"
             return
         tok = self._load()
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # Ids are not always 0..count-1 (a vocabulary with gaps): the shards' dtype must hold the largest.
+        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True),
+                              max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
         self.eos = eos or configured_eos(Path(self.path)) or next(
             (name for name in EOS_NAMES if tok.token_to_id(name) is not None), None)
         if self.eos is None:
@@ -69,10 +97,20 @@ class Encoder:
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_tok"} | {"_tok": None}
 
+    def raw(self) -> bytes:
+        """tokenizer.json's bytes, read as the other files of its directory are (side_file)."""
+        p = Path(self.path)
+        data = side_file(p.parent, p.name, TOKENIZER_BYTES)
+        if data is None:
+            raise TokenizerError(f"{p} does not exist (any more). Fix: pass the tokenizer again")
+        return data
+
     def _load(self):
         if self._tok is None:
             try:
-                self._tok = Tokenizer.from_file(self.path)
+                self._tok = Tokenizer.from_str(self.raw().decode("utf-8"))
+            except (TokenizerError, OSError):
+                raise
             except Exception as e:  # the Rust side reports a parse error as a plain Exception
                 raise TokenizerError(f"{self.path} is not a tokenizers JSON file ({e})") from None
         return self._tok
