@@ -304,7 +304,6 @@ def test_refuses_several_nodes_without_a_claim():
     ("run.name", "___", ("run.name",)),
     ("launcher.k8s.namespace", "ML_Team", ("launcher.k8s.namespace",)),
     ("launcher.k8s.volume_claim", "My Claim", ("launcher.k8s.volume_claim",)),
-    ("launcher.k8s.shm_gb", 0.0, ("launcher.k8s.shm_gb",)),
     ("launcher.k8s.port", 70000, ("launcher.k8s.port",)),
     ("cluster.mem", "lots", ("cluster.mem",)),
 ])

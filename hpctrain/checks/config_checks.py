@@ -7,7 +7,11 @@ must exist, the cluster. Each check yields messages that name the offending keys
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
+import typing
 from typing import Callable, Iterator, Sequence
 
 from hpctrain.core.compose import ConfigError, bad_choices, compose
@@ -22,7 +26,12 @@ POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log
             "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
             "model.vocab_size", "data.seq_len", "launcher.nproc", "checkpoint.keep",
             "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages", "parallel.ep",
-            "cluster.nodes", "eval.batches")
+            "cluster.nodes", "eval.batches", "model.rope_original_max_seq_len", "parallel.ac_every",
+            "checkpoint.threads", "launcher.timeout_s", "launcher.min_nodes", "launcher.straggler_steps",
+            "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.nics_per_node")
+# Whole numbers where 0 means "none" or "off" and a negative one means nothing.
+NOT_NEGATIVE = ("optim.warmup_steps", "train.threads", "train.max_skipped_steps", "cluster.gpus_per_node",
+                "cluster.max_requeues")
 
 CHECKS: list[Callable[[Config], Iterator[str]]] = []
 
@@ -84,10 +93,170 @@ def _positive(cfg: Config):
     if cfg.checkpoint.keep_every < 0:
         yield (f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be 0 (no milestones) or positive. "
                "Fix: checkpoint.keep_every=0")
-    if cfg.optim.lr <= 0:
-        yield f"optim.lr={cfg.optim.lr} must be positive"
-    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        yield f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must lie in [0, 1]"
+    for key in NOT_NEGATIVE:
+        value = _get(cfg, key)
+        if value < 0:
+            yield f"{key}={value} must be 0 or more. Fix: {key}={_default(key)} (the default)"
+    if cfg.data.eos_id < -1:
+        yield (f"data.eos_id={cfg.data.eos_id} is no token id: an id is 0 or more, and -1 takes the shards' own. "
+               "Fix: data.eos_id=-1, or the id that ends each document")
+    if cfg.checkpoint.load_step is not None and cfg.checkpoint.load_step < 0:
+        yield (f"checkpoint.load_step={cfg.checkpoint.load_step} names no step (steps count from 0). Fix: the step "
+               "of a complete checkpoint (python -m hpctrain.checkpoint list <run.dir>), or null for the newest")
+
+
+# ------------------------------------------------------------------------- ranges of the float keys
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Where a float key may lie: always a finite number (nan passes no comparison and inf is no
+    setting), above or from `low`, below or up to `high`."""
+
+    low: float = 0.0
+    low_open: bool = False  # true: above low; false: low or more
+    high: float = math.inf
+    high_open: bool = True  # true: below high; false: high or less
+    why: str = ""  # what goes wrong outside it
+    fix: str = ""  # the fix ({key}: the key's name); "" names the key's default
+    text: str = ""  # the range in words where the bounds alone would mislead
+
+    def holds(self, value: float) -> bool:
+        return (math.isfinite(value) and (value > self.low if self.low_open else value >= self.low)
+                and (value < self.high if self.high_open else value <= self.high))
+
+    def words(self) -> str:
+        if self.text:
+            return self.text
+        if self.high == math.inf:
+            if self.low == 0 and self.low_open:
+                return "positive: a finite number above 0"
+            return f"a finite number above {self.low:g}" if self.low_open else f"a finite number, {self.low:g} or more"
+        return (f"a finite number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+ABOVE_0 = dict(low_open=True)
+UNIT_OPEN = dict(high=1.0)  # [0, 1)
+SHARE = dict(low_open=True, high=1.0, high_open=False)  # (0, 1]
+HARDWARE = "{key}=<your hardware's figure> (conf/cluster/h100.yaml holds an H100 node's)"
+PLANNER = "the planner divides by it"
+
+# One rule per float key of the schema (hpctrain.core.schema), by its dotted name; the elements of a
+# list as name[].key. tests/test_config_ranges.py refuses a float key without one.
+RANGES: dict[str, Range] = {
+    "model.norm_eps": Range(**ABOVE_0, why="RMSNorm divides by sqrt(mean(x^2) + eps): 0 or less gives inf or nan"),
+    "model.rope_theta": Range(**ABOVE_0, why="RoPE's frequencies are powers of it"),
+    "model.init_std": Range(**ABOVE_0, why="the standard deviation of the initial weights: 0 trains nothing"),
+    "model.rope_scaling": Range(why="0 turns Llama 3.1 RoPE scaling off, else the factor the low frequencies are "
+                                    "divided by"),
+    "model.rope_low_freq_factor": Range(**ABOVE_0, why="Llama 3.1 RoPE scaling divides by it"),
+    "model.rope_high_freq_factor": Range(**ABOVE_0, why="Llama 3.1 RoPE scaling divides by it"),
+    "model.moe.route_scale": Range(**ABOVE_0, why="it multiplies the routed experts' weights"),
+    "model.moe.aux_loss_coef": Range(why="0: off"),
+    "model.moe.z_loss_coef": Range(why="0: off"),
+    "model.moe.bias_update_rate": Range(why="0: off"),
+    "model.moe.capacity_factor": Range(why="0: dropless"),
+    "model.moe.imbalance": Range(low=1.0, text="between 1 (an even split) and model.moe.experts / model.moe.top_k "
+                                               "(one expert takes every token)"),
+    "model.lora.alpha": Range(**ABOVE_0, why="the update is scaled by alpha / rank"),
+    "model.lora.dropout": Range(**UNIT_OPEN, why="a probability; 1 would drop every input"),
+    "optim.lr": Range(**ABOVE_0, why="the peak learning rate"),
+    "optim.min_lr_ratio": Range(high=1.0, high_open=False, why="the floor of the decay, a share of optim.lr"),
+    "optim.weight_decay": Range(why="0: no decay; a negative one grows the weights"),
+    "optim.beta1": Range(**UNIT_OPEN, why="Adam's moment decay: at 1 it never forgets, above it diverges"),
+    "optim.beta2": Range(**UNIT_OPEN, why="Adam's moment decay: at 1 it never forgets, above it diverges"),
+    "optim.eps": Range(**ABOVE_0, why="Adam divides by sqrt(v) + eps, and v is 0 for a weight without gradient"),
+    "optim.grad_clip": Range(why="0: no clipping"),
+    "data.sources[].weight": Range(**ABOVE_0, why="a source's share of the stream", fix="a weight above 0, or drop "
+                                                                                          "the source"),
+    "launcher.hang_timeout_s": Range(why="0: max(60 s, 10x the median step)"),
+    "launcher.health.slowdown": Range(low=1.0, low_open=True, why="a node this many times slower than the median "
+                                                                  "is left out: at 1 or less, the median one too"),
+    "launcher.straggler_ratio": Range(low=1.0, low_open=True, why="at 1 or less the slowest rank of every step is "
+                                                                  "named, however close"),
+    "launcher.k8s.shm_gb": Range(**ABOVE_0, why="the size of /dev/shm in GiB"),
+    "cluster.peak_tflops": Range(**ABOVE_0, why="the denominator of MFU", fix=HARDWARE),
+    "cluster.device_mem_gb": Range(**ABOVE_0, why="the planner's memory limit per rank", fix=HARDWARE),
+    "cluster.host_mem_gb": Range(**ABOVE_0, why="the planner's limit for offloaded state", fix=HARDWARE),
+    "cluster.hbm_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.matmul_efficiency": Range(**SHARE, why="a share of cluster.peak_tflops", fix=HARDWARE),
+    "cluster.attention_efficiency": Range(**SHARE, why="a share of cluster.peak_tflops", fix=HARDWARE),
+    "cluster.grouped_gemm_efficiency": Range(**SHARE, why="a share of the dense GEMMs' rate", fix=HARDWARE),
+    "cluster.intra_node_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.intra_node_latency_us": Range(why="a time", fix=HARDWARE),
+    "cluster.inter_node_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.inter_node_latency_us": Range(why="a time", fix=HARDWARE),
+    "cluster.pcie_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.nvme_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.nvme_gb": Range(why="0: no NVMe", fix=HARDWARE),
+    "cluster.checkpoint_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.host_adam_gparams": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),
+    "cluster.runtime_reserve_gb": Range(why="memory set aside per rank", fix=HARDWARE),
+}
+# A float key added to the schema without a rule of its own is still checked: finite, 0 or more.
+DEFAULT_RANGE = Range()
+
+
+def range_of(key: str) -> Range:
+    """The rule of a float key, by its dotted name (`data.sources[2].weight` is `data.sources[].weight`'s)."""
+    return RANGES.get(re.sub(r"\[\d+\]", "[]", key), DEFAULT_RANGE)
+
+
+def float_keys(node, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(dotted key, value) of every float field under the dataclass `node`: nested sections and the
+    elements of lists of them (`data.sources[0].weight`) too, however the schema grows."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if f.type in (float, "float"):  # the annotation, or its text under `from __future__ import annotations`
+            yield key, value
+        elif dataclasses.is_dataclass(value):
+            yield from float_keys(value, key + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    yield from float_keys(item, f"{key}[{i}].")
+
+
+def _default(key: str):
+    """The schema's default of a dotted key (a list element's key: its dataclass's field default)."""
+    from hpctrain.core.schema import Config
+
+    node, parts = Config, re.sub(r"\[\d*\]", "[]", key).split(".")
+    for part in parts[:-1]:
+        hint = typing.get_type_hints(node)[part.removesuffix("[]")]
+        node = typing.get_args(hint)[0] if part.endswith("[]") else hint
+    return {f.name: f for f in dataclasses.fields(node)}[parts[-1]].default
+
+
+def range_problem(key: str, value: float) -> str | None:
+    """The refusal of `key`=`value`, naming the key, the value, the range and the fix; None if it holds."""
+    rule = range_of(key)
+    if rule.holds(value):
+        return None
+    fix = rule.fix.format(key=key) if rule.fix else f"{key}={_default(key)!r} (the default)"
+    why = f" ({rule.why})" if rule.why else ""
+    return f"{key}={value} must be {rule.words()}{why}. Fix: {fix}"
+
+
+@_check
+def _ranges(cfg: Config):
+    yield from range_problems(cfg)
+
+
+def range_problems(cfg: Config) -> list[str]:
+    """Every float key out of its range: what the planner must not be given (it divides by them)."""
+    return [p for key, value in float_keys(cfg) if (p := range_problem(key, value))] + list(_rope_problem(cfg))
+
+
+def _rope_problem(cfg: Config):
+    m = cfg.model
+    if (m.rope_scaling > 0 and range_of("model.rope_low_freq_factor").holds(m.rope_low_freq_factor)
+            and range_of("model.rope_high_freq_factor").holds(m.rope_high_freq_factor)
+            and not m.rope_high_freq_factor > m.rope_low_freq_factor):
+        yield (f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be above model.rope_low_freq_factor="
+               f"{m.rope_low_freq_factor} with RoPE scaling on (model.rope_scaling={m.rope_scaling}): the scaling "
+               "blends between them, dividing by their difference. Fix: model.rope_low_freq_factor=1.0 "
+               "model.rope_high_freq_factor=4.0 (Llama 3.1's)")
 
 
 @_check
@@ -332,10 +501,6 @@ def _lora(cfg: Config):
         if lo.init_from:
             yield "model.lora.init_from names an adapter, but model.lora.rank=0. Fix: model.lora.rank=<the adapter's r>"
         return
-    if lo.alpha <= 0:
-        yield f"model.lora.alpha={lo.alpha} must be positive (the update is scaled by alpha / rank)"
-    if not 0 <= lo.dropout < 1:
-        yield f"model.lora.dropout={lo.dropout} must be in [0, 1)"
     unknown = [t for t in lo.targets if t not in TARGETS and t not in HF_LINEAR]
     if unknown or not lo.targets:
         yield (f"model.lora.targets={list(lo.targets)}: {', '.join(unknown) or 'none given'} "
@@ -345,7 +510,7 @@ def _lora(cfg: Config):
         from hpctrain.core.adapters import AdapterError, read_adapter_config
 
         try:
-            read_adapter_config(lo.init_from, lo)
+            read_adapter_config(lo.init_from, lo, cfg.model)  # its tensors too, from the header
         except AdapterError as e:
             yield str(e)
 
@@ -370,16 +535,10 @@ def _moe(cfg: Config):
         yield (f"model.moe.experts={e.experts} but no block routes: with model.n_layers={m.n_layers}, "
                f"moe.first_dense={e.first_dense} and moe.every={e.every} every block stays dense. "
                "Fix: lower moe.first_dense or moe.every, or model.moe.experts=0")
-    for key in ("aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor"):
-        v = getattr(e, key)
-        if not v >= 0 or v != v or v == float("inf"):
-            yield f"model.moe.{key}={v} must be a finite number, 0 or more (0: off)"
-    if not 0 < e.route_scale < float("inf"):
-        yield f"model.moe.route_scale={e.route_scale} must be a finite number above 0"
-    # the busiest rank's (or expert's) routed tokens over an even share: at least 1, and at most
-    # experts / top_k (one expert taking every token)
+    # the busiest rank's (or expert's) routed tokens over an even share: at most experts / top_k (one
+    # expert taking every token); at least 1 and finite is _ranges'
     most = e.experts / max(1, e.top_k)
-    if not 1 <= e.imbalance <= most:
+    if e.imbalance > most and math.isfinite(e.imbalance):
         yield (f"model.moe.imbalance={e.imbalance} must be between 1 (an even split) and experts / top_k = "
                f"{most:g} (one expert takes every token). Fix: a run's expert_share_max, or 1.0")
 
@@ -410,15 +569,13 @@ def _data(cfg: Config):
     if d.sources and d.path not in (None, "???"):
         yield "data.path and data.sources are both set. Fix: keep one (a single directory is data.path)"
         return
-    named = ([(f"data.sources[{i}].path", s.path, s.weight) for i, s in enumerate(d.sources)]
-             if d.sources else [("data.path", d.path, 1.0)])
+    named = ([(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
+             if d.sources else [("data.path", d.path)])
     # heavy: numpy (~0.2 s), only when the config reads token shards
     from hpctrain.data.shards import longest_shard, problems as shard_problems, read_meta
 
     metas = []
-    for key, path, weight in named:
-        if not weight > 0:
-            yield f"{key.rsplit('.', 1)[0]}.weight={weight}: weights must be positive. Fix: a weight above 0, or drop the source"
+    for key, path in named:
         if path is None or path == "???" or not os.path.isdir(path):
             yield (f"{key}={path} is not a directory of token shards. "
                    "Fix: make one with `python -m hpctrain.data.prepare <corpus> <out dir>` and pass " f"{key}=<out dir>")

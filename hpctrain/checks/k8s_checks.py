@@ -108,9 +108,6 @@ def k8s_problems(cfg: Config, run_dir: Optional[str] = None) -> list[str]:
                    "Fix: the name `kubectl get serviceaccounts` shows, or null for the namespace's default")
     if not 1 <= k.port <= 65535:
         out.append(f"launcher.k8s.port={k.port} is not a TCP port. Fix: launcher.k8s.port=29500")
-    if k.shm_gb <= 0:
-        out.append(f"launcher.k8s.shm_gb={k.shm_gb}: /dev/shm would stay the container's 64 MB, too small for "
-                   "the data loaders and NCCL. Fix: launcher.k8s.shm_gb=64")
     for key, value in dict(k.node_selector or {}).items():
         if isinstance(value, (dict, list)) or value is None:
             out.append(f"launcher.k8s.node_selector.{key}: a node label's value must be a string. "

@@ -15,6 +15,8 @@ HPCTRAIN_FAULT is set; several faults separated by `;`).
     kill_in_save:step=4,rank=1    rank 1 SIGKILLs itself in the middle of the step-4 save: its shard
                                   files are written, the save's closing collective and commit never
                                   happen
+    nonfinite:step=4,rank=1       rank 1's loss of step 4 is NaN (its gradients stay finite): the
+                                  step's update is not applied (train.on_nonfinite)
     slow_step:ms=250              every step takes 250 ms longer (a sleep): lets a tiny run outlast a
                                   Slurm signal's arrival
 

@@ -47,6 +47,7 @@ Device = _choice("Device", "cpu cuda")
 Router = _choice("Router", "softmax sigmoid")
 CPAttention = _choice("CPAttention", "allgather ring")
 CPKernel = _choice("CPKernel", "auto torch hpctrain")
+NonFinite = _choice("NonFinite", "stop skip")
 
 
 @dataclass
@@ -338,6 +339,15 @@ class TrainConfig:
     threads: int = 0
     """Torch intra-op threads per rank; 0 = OMP_NUM_THREADS where set, else Slurm's cpus per task, else
     cores / local ranks."""
+    on_nonfinite: NonFinite = NonFinite("stop")
+    """A step whose loss or gradient norm is not finite (nan, inf; on any rank) never updates the weights
+    or the optimizer state. stop: the run ends there, not completed (outcome.json status nonfinite, with
+    that step), without a final save, so the newest checkpoint is the last one before it; skip: the step
+    is skipped (the data and the learning-rate schedule move on), counted in the progress line, the
+    metrics (skipped_steps) and the summary, and training goes on, up to train.max_skipped_steps."""
+    max_skipped_steps: int = 10
+    """With train.on_nonfinite=skip: the most steps the whole run may skip; the next non-finite step stops
+    it as train.on_nonfinite=stop does."""
 
 
 @dataclass

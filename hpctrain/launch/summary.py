@@ -3,7 +3,10 @@
 The numbers come from the run directory's own records, never from a second count: the losses and tokens
 from metrics.jsonl (the last record of each step, as the run finally happened), the wall time and goodput
 from hpctrain.report.goodput, the newest complete checkpoint from checkpoints/, with the command that
-exports it for transformers. A run that wrote no checkpoint says why, and the keys that would save one.
+exports it for transformers. A run that wrote no checkpoint says why, and the keys that would save one. A
+run whose loss went non-finite says at which step (outcome.json's status nonfinite, as the ranks wrote it),
+that its newest checkpoint is the last one before that step, and what to change; steps skipped under
+train.on_nonfinite=skip are counted from metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -31,11 +34,34 @@ def no_checkpoint_reason(cfg: Config) -> str:
     return "no checkpoint was written before the run ended, so there is nothing to export"
 
 
+def nonfinite_fix(cfg: Config, checkpoint_step: int | None) -> str:
+    """What to change after the loss went non-finite, and what running again then does."""
+    o, t = cfg.optim, cfg.train
+    fix = f"Fix: lower optim.lr (now {o.lr:g}), or raise optim.warmup_steps (now {o.warmup_steps})"
+    if o.grad_clip <= 0:
+        fix += ", or clip the gradients (optim.grad_clip=1.0; now off)"
+    if t.precision != "fp32":
+        fix += f", or train.precision=fp32 (now {t.precision})"
+    fix += ("; train.on_nonfinite=skip steps over a rare bad batch instead. " if t.on_nonfinite == "stop" else
+            f"; or allow more skips (train.max_skipped_steps now {t.max_skipped_steps}). ")
+    if checkpoint_step is None:
+        return fix + "Nothing was saved before it: the same command with the change starts again from step 1"
+    # The weights of the last finite step may have diverged already (finite, but far too large).
+    return (fix + f"The same command with the change resumes from step {checkpoint_step}; if that stops again "
+            "at once, those weights diverged already: start afresh with a new run.dir, or resume an earlier "
+            f"checkpoint with checkpoint.load_step (python -m hpctrain.checkpoint list {cfg.run.dir})")
+
+
 def summarize(run_dir: str | Path, cfg: Config) -> dict:
     """The summary of the run in `run_dir` as its files stand now (JSON-ready)."""
     run_dir = Path(run_dir)
+    ended = read_outcome(run_dir) or {}
+    stop = ended.get("nonfinite") if ended.get("status") == "nonfinite" else None
+    stop = stop if isinstance(stop, dict) and isinstance(stop.get("step"), int) else None
     by_step = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m.get("step"), int)}
-    rows = [by_step[s] for s in sorted(by_step)]
+    trained = [by_step[s] for s in sorted(by_step)]
+    # The step that stopped the run was never trained: its row says so, the figures stop before it.
+    rows = [m for m in trained if stop is None or m["step"] < stop["step"]]
     last = rows[-1] if rows else {}
     val = [m for m in rows if isinstance(m.get("val_loss"), (int, float))]
     best = min(val, key=lambda m: m["val_loss"]) if val else None
@@ -57,7 +83,17 @@ def summarize(run_dir: str | Path, cfg: Config) -> dict:
             out["export_adapter"] = export_command(path, run_dir / "adapter", "peft")
     else:
         out.update(checkpoint=None, no_checkpoint=no_checkpoint_reason(cfg))
+    skipped = [m["step"] for m in rows if m.get("nonfinite") is True]
+    if skipped or last.get("skipped_steps"):
+        out.update(skipped_steps=max(len(skipped), int(last.get("skipped_steps") or 0)), skipped=skipped)
+    if stop is not None:
+        out["nonfinite"] = {k: stop.get(k) for k in ("step", "loss", "grad_norm")}
+        out["nonfinite_fix"] = nonfinite_fix(cfg, out.get("checkpoint_step"))
     return out
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) else "?"
 
 
 def _hms(seconds: float) -> str:
@@ -75,13 +111,26 @@ def describe(s: dict) -> list[str]:
     if s.get("val_loss") is not None:
         lines.append(f"  validation loss {s['val_loss']:.4f} at step {s['val_step']}, "
                      f"best {s['best_val_loss']:.4f} at step {s['best_val_step']}")
+    stop = s.get("nonfinite")
+    if stop:
+        lines.append(f"  the loss or gradient norm went non-finite at step {stop['step']} (loss {_num(stop['loss'])}, "
+                     f"gradient norm {_num(stop['grad_norm'])}): its update was not applied, and the run stopped "
+                     "there without saving")
+    if s.get("skipped_steps"):
+        shown = ", ".join(map(str, s["skipped"][:10])) + (", ..." if len(s["skipped"]) > 10 else "")
+        lines.append(f"  {s['skipped_steps']} step{'' if s['skipped_steps'] == 1 else 's'} skipped, the loss or "
+                     f"gradient norm not finite (train.on_nonfinite=skip)" + (f": step {shown}" if shown else ""))
     if s.get("checkpoint"):
-        lines.append(f"  newest checkpoint: {s['checkpoint']}")
+        before = stop and s["checkpoint_step"] < stop["step"]  # (a checkpoint.load_step run may hold later ones)
+        last_finite = f", the last finite one (step {s['checkpoint_step']}, before step {stop['step']})" if before else ""
+        lines.append(f"  newest checkpoint: {s['checkpoint']}{last_finite}")
         lines.append(f"  export it for transformers: {s['export']}")
         if s.get("export_adapter"):
             lines.append(f"  or the adapters alone (PEFT): {s['export_adapter']}")
     else:
         lines.append(f"  {s['no_checkpoint']}")
+    if stop:
+        lines.append(f"  {s['nonfinite_fix']}")
     return lines
 
 

@@ -10,7 +10,7 @@ import json
 import sys
 
 from hpctrain.checks.cluster_checks import partition_check
-from hpctrain.checks.config_checks import document_problems, problems
+from hpctrain.checks.config_checks import document_problems, problems, range_problems
 from hpctrain.core import outdir
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.spec import world_size
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, note = request_of(overrides)
         refuse_outputs(opts.get("png"), opts.get("json"))
         # the documents the mask is priced by: refused as a run and a dry run refuse them, whatever the layout
-        refused = document_problems(cfg)
+        # and the float keys the planner divides by, out of range (a zero peak_tflops)
+        refused = document_problems(cfg) + range_problems(cfg)
         if refused:
             raise ConfigError("this config cannot run:\n" + "\n".join(f"  - {p}" for p in refused))
     except (ConfigError, ValueError) as e:

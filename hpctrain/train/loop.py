@@ -27,7 +27,7 @@ from hpctrain.models.llama import build_meta, init_param_
 from hpctrain.parallel import parallelize
 from hpctrain.parallel.stateful import ModelState, OptimizerState
 from hpctrain.core.compose import to_dict
-from hpctrain.core.rundir import write_atomic, write_outcome
+from hpctrain.core.rundir import list_complete, write_atomic, write_outcome
 from hpctrain.core.spec import EngineSpec, engine_spec
 from hpctrain.core import faults
 from hpctrain.train.metrics import MetricsLogger, peak_rss_bytes
@@ -37,7 +37,7 @@ from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.progress import Progress, Schedule
 from hpctrain.train.router_stats import RouterStats
 from hpctrain.train.stragglers import Stragglers
-from hpctrain.core.schema import Config
+from hpctrain.core.schema import Config, TrainConfig
 from hpctrain.checkpoint.hf_weights import load_hf
 from hpctrain.parallel.pipeline import build_schedule, forward_only
 from hpctrain.train.trackers import from_config
@@ -47,10 +47,23 @@ log = logging.getLogger("hpctrain")
 
 @dataclass
 class Outcome:
-    status: str  # completed | preempted
-    step: int
+    status: str  # completed | preempted | nonfinite
+    step: int  # optimizer steps done
     losses: list
     checkpoint: str | None = None
+    nonfinite: dict | None = None  # status nonfinite: the step that stopped the run, its loss and gradient norm
+
+
+# What became of a step's update (Trainer.train_step).
+APPLIED, SKIPPED, STOPPED = "applied", "skipped", "stopped"
+
+
+def nonfinite_action(train: TrainConfig, skipped: int) -> str:
+    """SKIPPED or STOPPED: what a step whose loss or gradient norm is not finite does, the run having
+    skipped `skipped` steps before it."""
+    if train.on_nonfinite == "skip" and skipped < train.max_skipped_steps:
+        return SKIPPED
+    return STOPPED
 
 
 def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
@@ -225,7 +238,14 @@ class Trainer:
                 with self._phase("backward"):
                     loss.backward()
             loss_sum += _plain(loss.detach())
-        return loss_sum
+        return self._poisoned(loss_sum)
+
+    def _poisoned(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's loss, before any reduction; HPCTRAIN_FAULT="nonfinite:step=N,rank=R" makes rank R's
+        NaN at step N while its gradients stay finite: only the loss can tell the other ranks."""
+        if faults.armed("nonfinite", step=self.step + 1, rank=self.rank) is None:
+            return loss
+        return loss + float("nan")
 
     def _on_device(self, x, y, kw):
         kw = {k: v.to(self.device, non_blocking=True) for k, v in kw.items()}
@@ -244,10 +264,18 @@ class Trainer:
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
         loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
                 else torch.zeros((), device=self.device))
-        dist.all_reduce(loss, group=self.pp_group)
+        loss = self._poisoned(loss)
+        dist.all_reduce(loss, group=self.pp_group)  # a non-finite loss too reaches every stage
         return loss
 
+    # What became of the last step's update: APPLIED; or, its loss or gradient norm not finite, SKIPPED (the
+    # step counts, weights and optimizer state unchanged) or STOPPED (nothing changed, not even the step
+    # count: the run ends).
+    update = APPLIED
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: its loss (the mean over the ranks) and global gradient norm; self.update says what
+        became of its update."""
         micro = self.sampler.next_step()
         if self.schedule is not None:
             with self._phase("forward_backward"):  # interleaved inside the pipeline schedule
@@ -255,15 +283,24 @@ class Trainer:
         else:
             loss = self._forward_backward(micro)
         with self._phase("optimizer"):
+            # The norm is computed whatever optim.grad_clip says: the update depends on it being finite.
             norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip, self.pp_group)
-            self.optimizer.step()
+            # Every data-parallel rank saw different samples: the step's loss is their mean. Reduced before
+            # the update, it carries a non-finite loss of any rank (the pipeline stages have the last one's)
+            # to every rank, as the norm carries a non-finite gradient: all decide alike, no collective more.
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+            finite = bool(torch.isfinite(loss) & torch.isfinite(norm))
+            self.update = APPLIED if finite else nonfinite_action(self.cfg.train, self.progress.skipped)
+            if self.update == APPLIED:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.update == STOPPED:
+                return loss, norm
             self.scheduler.step()
-            self.routers.after_step()
+            self.routers.after_step(move_biases=self.update == APPLIED)
         self.progress.step += 1
+        self.progress.skipped += self.update == SKIPPED
         self.progress.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
-        # Every data-parallel rank saw different samples: the step's loss is their mean.
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return loss, norm
 
     # ------------------------------------------------------------ validation
@@ -331,7 +368,7 @@ class Trainer:
                 if cfg.profile.steps else None)
         mem = self._memory = PhaseMemory(self.device) if cfg.profile.memory else None
         preemption = preemption or Preemption().install()
-        status, losses = "completed", []
+        status, losses, nonfinite = "completed", [], None
         first = True
         try:
             while self.step < cfg.train.steps:
@@ -343,7 +380,15 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 t0 = time.perf_counter()
                 loss, norm = self.train_step()
-                loss_v, norm_v = loss.item(), float(norm)  # .item() waits for the step to finish
+                loss_v, norm_v, action = loss.item(), float(norm), self.update  # .item() waits for the step
+                if action == STOPPED:
+                    status, nonfinite = "nonfinite", self._stop_nonfinite(logger, loss_v, norm_v, lr, t0)
+                    break
+                flags = {} if action == APPLIED else {"nonfinite": True}
+                if action == SKIPPED and logger:
+                    logger.event(f"step {self.step}: loss {loss_v:.4g}, gradient norm {norm_v:.4g}: not finite, the "
+                                 f"update is skipped ({self.progress.skipped} of at most train.max_skipped_steps="
+                                 f"{cfg.train.max_skipped_steps} in this run)")
                 beat(self.step, "step")
                 faults.after_step(self.step, self.rank)
                 dt = time.perf_counter() - t0
@@ -353,7 +398,7 @@ class Trainer:
                 losses.append(loss_v)
                 val = self.evaluate(beat) if self._eval_due() else None
                 if mem is None:  # with profile.memory the row waits for the step's save, to carry its peak
-                    self._log(logger, loss_v, norm_v, lr, dt, val)
+                    self._log(logger, loss_v, norm_v, lr, dt, val, extra=flags)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
                     status = "preempted"
                     if logger:
@@ -362,14 +407,14 @@ class Trainer:
                     beat(self.step, "save")
                     self._measured_save(lambda: self.ckpt.save(self.step, blocking=True))
                     if mem is not None:
-                        self._log(logger, loss_v, norm_v, lr, dt, val, extra=mem.take())
+                        self._log(logger, loss_v, norm_v, lr, dt, val, extra={**flags, **mem.take()})
                     break
                 beat(self.step, "save")
                 self._measured_save(lambda: self.ckpt.after_step(self.step))
                 if mem is not None:
                     if self.step == cfg.train.steps:  # the end's save, measured with its step
                         self._measured_save(self._save_end)
-                    self._log(logger, loss_v, norm_v, lr, dt, val, extra=mem.take())
+                    self._log(logger, loss_v, norm_v, lr, dt, val, extra={**flags, **mem.take()})
                 if prof is not None:
                     prof.end(self.step)
             if prof is not None:
@@ -385,11 +430,27 @@ class Trainer:
             if logger:
                 logger.close()
         saved = self.ckpt.last_saved
-        outcome = Outcome(status, self.step, losses,
-                          str(self.ckpt.root / f"step-{saved:08d}") if saved is not None else None)
+        if status == "nonfinite":  # the newest checkpoint of the run, whichever start wrote it
+            newest = list_complete(self.ckpt.root)
+            checkpoint = str(newest[-1][1]) if newest else None
+        else:
+            checkpoint = str(self.ckpt.root / f"step-{saved:08d}") if saved is not None else None
+        outcome = Outcome(status, self.step, losses, checkpoint, nonfinite)
         if self.rank == 0:
             write_outcome(self.run_dir, outcome.__dict__ | {"losses": None})
         return outcome
+
+    def _stop_nonfinite(self, logger, loss: float, norm: float, lr: float, t0: float) -> dict:
+        """The step after self.step went non-finite and the run stops there: its row in metrics.jsonl and
+        a line for people; no save follows (the summary says what to do)."""
+        step = self.step + 1
+        self._log(logger, loss, norm, lr, time.perf_counter() - t0, step=step, extra={"nonfinite": True})
+        if logger:
+            logger.event(f"step {step}: loss {loss:.4g}, gradient norm {norm:.4g}: not finite; the update is not "
+                         f"applied and the run stops (train.on_nonfinite={self.cfg.train.on_nonfinite}"
+                         + (f", {self.progress.skipped} step(s) skipped already" if self.progress.skipped else "")
+                         + "), without saving")
+        return {"step": step, "loss": loss, "grad_norm": norm}
 
     def _save_end(self) -> None:
         """The end of a completed run: checkpoint.every's last save, and with checkpoint.final (the default)
@@ -421,8 +482,14 @@ class Trainer:
         return logger
 
     def _log(self, logger, loss: float, norm: float, lr: float, dt: float, val: float | None = None,
-             extra: dict | None = None) -> None:
-        if self.step % self.cfg.train.log_every and self.step != self.cfg.train.steps and val is None:
+             extra: dict | None = None, step: int | None = None) -> None:
+        """The row of `step` (default: the step just done); a non-finite step's row is always written."""
+        step = self.step if step is None else step
+        extra = dict(extra or {})
+        if self.progress.skipped:  # the run's count: the progress line and the summary show it
+            extra["skipped_steps"] = self.progress.skipped
+        if (step % self.cfg.train.log_every and step != self.cfg.train.steps and val is None
+                and not extra.get("nonfinite")):
             return
         spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
         routing = self.routers.metrics()  # a collective over the pipeline stages, likewise
@@ -430,11 +497,11 @@ class Trainer:
             return
         tps = self.cfg.train.global_batch * self.cfg.data.seq_len / dt
         peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
-        logger.log(self.step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
+        logger.log(step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
                    tokens=self.progress.tokens_seen, **spread, **routing,
                    **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}),
-                   **(extra or {}))
+                   **extra)
         warning = self.stragglers.warning()
         if warning:
             log.warning("%s", warning)

@@ -103,6 +103,10 @@ class MetricsLogger:
             line += f"  expert share {r['expert_share_min']:.2f}-{r['expert_share_max']:.2f}"
         if "val_loss" in r:
             line += f"  val loss {r['val_loss']:.4f} ppl {r['val_ppl']:,.2f}"
+        if r.get("nonfinite"):
+            line += "  not finite: no update"
+        if r.get("skipped_steps"):  # the run's count (train.on_nonfinite=skip)
+            line += f"  skipped {r['skipped_steps']}"
         if self.live:
             self.stream.write("\r\033[K" + line + ("\n" if step >= self.total or "val_loss" in r else ""))
         else:

@@ -46,8 +46,9 @@ class RouterStats:
             m.aux_scale = scale
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Every rank, after each optimizer step: sum the step's loads, move the biases, start afresh."""
+    def after_step(self, move_biases: bool = True) -> None:
+        """Every rank, after each optimizer step: sum the step's loads, move the biases (not after a
+        step whose update was skipped: it changes nothing), start afresh."""
         if not self.modules:
             return
         device = self.device
@@ -57,7 +58,7 @@ class RouterStats:
                               float(m.stats.dropped)] for m in self.modules], device=device, dtype=torch.float64)
         dist.all_reduce(loads, group=self.dp_group)
         dist.all_reduce(sums, group=self.dp_group)
-        if self.rate > 0:
+        if self.rate > 0 and move_biases:
             for m, load in zip(self.modules, loads):
                 m.router.bias += self.rate * torch.sign(load.mean() - load)
         for m in self.modules:
