@@ -17,7 +17,7 @@ from hpctrain.checks.config_checks import advice, check, compose_checked
 from hpctrain.plan import duration
 from hpctrain.plan.login import plan_one, write_plan
 from hpctrain.plan.verdict import summary as plan_summary
-from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
+from hpctrain.core.rundir import RunLock, overwrite_problem, own_run_dir, prepare_run_dir, run_dir_override_problem
 from hpctrain.core.flops import lora_params, param_counts
 from hpctrain.core.spec import engine_spec
 from hpctrain.core.schema import Config
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(to_yaml(cfg), end="")
                 return 0
             check(cfg, refused)
+        empty = run_dir_override_problem(overrides)
+        if empty:
+            raise ConfigError(empty)
         cfg, the_plan = plan_one(overrides, show=lambda c: print(summary(c), flush=True))
         print(plan_summary(the_plan), flush=True)
         print(whole_run(cfg, the_plan), flush=True)
@@ -139,24 +142,34 @@ def main(argv: list[str] | None = None) -> int:
         problem = overwrite_problem(cfg.run.dir, cfg.checkpoint.resume)
         if problem:
             raise ConfigError(problem)
-        run_dir = prepare_run_dir(cfg)
-        print(f"plan: {write_plan(the_plan, run_dir)}", flush=True)
+        # Refused here, before anything is written, while another start of the run holds its directory.
+        lock = RunLock.take(own_run_dir(cfg.run.dir))
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return 2
-    return launch(cfg, run_dir)
+    try:
+        run_dir = prepare_run_dir(cfg)
+        print(f"plan: {write_plan(the_plan, run_dir)}", flush=True)
+        return launch(cfg, run_dir, lock)
+    except ConfigError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()
 
 
-def launch(cfg: Config, run_dir) -> int:
-    """Start (local) or submit (Slurm) one prepared run directory."""
+def launch(cfg: Config, run_dir, lock: RunLock) -> int:
+    """Start (local: this process drives the ranks, holding `lock` to the end) or submit (Slurm: the
+    job's supervisor takes the lock itself) one prepared run directory."""
     if cfg.launcher.name == "local":
-        return supervise(run_dir)
+        return supervise(run_dir, lock)
     if cfg.launcher.name == "sbatch":
         path = write_script(cfg, str(run_dir), sys.executable, source_root())
         how = f"bash {shlex.quote(str(path))}" if path.suffix == ".sh" else f"sbatch {shlex.quote(str(path))}"
         print(f"wrote {path}\nsubmit it with:\n  {how}\nits log: {run_dir}/logs/slurm-<jobid>.out")
         return 0
     if cfg.launcher.name == "slurm":
+        lock.release()  # before the job can start and take it
         return submit(cfg, run_dir, sys.executable, source_root())
     if cfg.launcher.name == "k8s":
         return write_manifest(cfg, str(run_dir))

@@ -19,7 +19,7 @@ from hpctrain.core import faults
 from hpctrain.core.compose import load
 from hpctrain.distributed import nccl
 from hpctrain.distributed.bootstrap import BootstrapError, detect, init
-from hpctrain.core.rundir import ECHOES, attempt_dir
+from hpctrain.core.rundir import ECHOES, attempt_dir, layout_problem
 from hpctrain.core.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
 
@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     if de.note:
         log.warning(de.note)
+    problem = layout_problem(run_dir)  # started without the supervisor's check (torchrun, mpiexec)
+    if problem:
+        log.error("%s", problem)
+        return 2
     spec = engine_spec(cfg, de.world)
     if spec.layout.world != de.world:
         log.error("the config's layout (%s) does not match the %d ranks %s started", spec.layout.describe(),

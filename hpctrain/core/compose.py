@@ -92,6 +92,8 @@ def compose(overrides: Sequence[str] = (), resolve_paths: bool = True) -> Config
         except (hf.HFError, OmegaConfBaseException) as e:
             raise ConfigError(explain(e, ()) if isinstance(e, OmegaConfBaseException) else str(e)) from None
     if resolve_paths:
+        if not str(cfg.run.dir).strip():  # abspath would make it the current directory: the user's
+            raise ConfigError("run.dir is empty. Fix: name the run's directory, e.g. run.dir=outputs/<name>")
         cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
     try:
         out = OmegaConf.to_object(cfg)

@@ -8,6 +8,10 @@ directory is its own. A directory with anything else in it is refused, with the 
 
     with replacing(out, "hpctrain.data.prepare") as tmp:
         ...write every file into tmp...
+
+A directory a tool keeps and adds to in place (a run directory: every start of the run writes into it)
+uses the same marker (`mark`, written before anything else) and the same refusal (`check_in_place`):
+absent, empty, or the tool's own, else refused; what else such a directory holds is left alone.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 MARKER = ".hpctrain-output.json"
 SHOWN = 5  # foreign names quoted in a refusal
@@ -66,16 +70,50 @@ def check(out: str | os.PathLike, tool: str) -> None:
         raise OutputDirError(f"{out} is the current directory, which {tool} cannot replace. "
                              f"Fix: run it from another directory, or name a subdirectory for the output")
     names = foreign(path, tool)
-    if not names:
-        return
-    marker = read_marker(path)
+    if names:
+        raise OutputDirError(refusal(out, tool, names, read_marker(path)))
+
+
+def refusal(out: str | os.PathLike, tool: str, names: list[str], marker: dict | None) -> str:
+    """Why `tool` may not write into `out`, which holds `names` it did not write (and `marker`)."""
     if marker is not None and marker["tool"] != tool:
         what = f"is the output of {marker['tool']}, not of {tool}"
     else:
         shown = ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
         what = f"holds files {tool} did not write ({shown})"
-    raise OutputDirError(f"{out} {what}: refusing to write there, as that would overwrite or delete what is there. "
-                         f"Fix: choose a new or empty directory, or remove {out} if nothing in it is needed")
+    return (f"{out} {what}: refusing to write there, as that would overwrite or delete what is there. "
+            f"Fix: choose a new or empty directory, or remove {out} if nothing in it is needed")
+
+
+def check_in_place(out: str | os.PathLike, tool: str, recognise: Callable[[Path], bool] | None = None) -> None:
+    """Refuse, before anything is written, an existing `out` that `tool` writes into in place unless it
+    is empty or `tool`'s own: its marker names `tool`, or (a directory from before markers)
+    `recognise(out)` says so. The tool writes only its own names there, so anything else it holds
+    (a user's notes, an export) stays and does not make it foreign."""
+    path = target(out)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise OutputDirError(f"{out} is a file, not a directory. Fix: name a new or empty directory for {tool}")
+    names = sorted(os.listdir(path))
+    marker = read_marker(path)
+    if not names or (marker is not None and marker["tool"] == tool):
+        return
+    if marker is None and recognise is not None and recognise(path):
+        return
+    raise OutputDirError(refusal(out, tool, names, marker))
+
+
+def mark(out: str | os.PathLike, tool: str, files: list[str]) -> None:
+    """Make the existing directory `out` recognisably `tool`'s (MARKER naming `files`, what the tool
+    writes there); written only when it says something else, atomically."""
+    path = target(out)
+    want = {"tool": tool, "files": sorted(files)}
+    if read_marker(path) == want:
+        return
+    tmp = path / f".{MARKER}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(want, indent=1) + "\n")
+    os.replace(tmp, path / MARKER)
 
 
 def begin(out: str | os.PathLike, tool: str) -> Path:

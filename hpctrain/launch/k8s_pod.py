@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hpctrain.core.rundir import clear_outcome, read_outcome, write_atomic
+from hpctrain.core.compose import ConfigError
+from hpctrain.core.rundir import RunLock, clear_outcome, read_outcome, write_atomic
 
 
 # pod_main's exit status when every rank saved after a signal and stopped (the pod, or a peer, was
@@ -23,6 +24,9 @@ from hpctrain.core.rundir import clear_outcome, read_outcome, write_atomic
 EXIT_REQUEUE = 77
 # Once the run's outcome is written, torchrun gets this long to end before pod_main stops it.
 EXIT_GRACE_S = 30.0
+# A replaced pod 0 may start while the one it replaces is still terminating (30 s of grace by default),
+# or, its node lost, while the claim's server still counts that pod's lock (an NFSv4 lease: 90 s).
+REPLACED_WAIT_S = 180.0
 
 
 
@@ -89,7 +93,8 @@ class OutcomeWatch:
 
 def pod_main(argv: list[str], grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0) -> int:
     """`python -m hpctrain.launch.k8s_pod --run-dir DIR [--seed-config FILE] -- TORCHRUN...`, in each pod:
-    seed config.yaml (no volume claim), clear the last outcome (pod 0), run torchrun with pod 0 as the
+    seed config.yaml (no volume claim), take the run's lock and clear the last outcome (pod 0, which
+    holds the lock until torchrun ends; hpctrain.core.rundir.RunLock), run torchrun with pod 0 as the
     rendezvous host, forward SIGTERM to it, and exit with pod_exit()'s status. Once the outcome is
     final, torchrun gets grace_s to end: its agents wait for each other before they exit, for one
     that was stopped by a signal up to 5 minutes, while its replacement could not join."""
@@ -112,11 +117,26 @@ def pod_main(argv: list[str], grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0
     if seed is not None and not (run_dir / "config.yaml").is_file():
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", seed.read_text())
-    if index == 0:
+    say = lambda msg: print(f"hpctrain: pod {index}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    lock = None
+    if index == 0:  # pod 0 drives the run (it hosts the rendezvous): it holds the run's lock
+        try:
+            lock = RunLock.take(run_dir, wait_s=REPLACED_WAIT_S)
+        except ConfigError as e:
+            say(f"error: {e}")
+            return 2
         clear_outcome(run_dir)  # the last start's
+    try:
+        return _run_torchrun(command, run_dir, index, say, grace_s, poll_s)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_torchrun(command: list[str], run_dir: Path, index: int, say, grace_s: float, poll_s: float) -> int:
+    """torchrun to its end, signals forwarded; the pod's exit status (pod_exit)."""
     watch = OutcomeWatch(run_dir)
     command = with_host(command, index == 0)
-    say = lambda msg: print(f"hpctrain: pod {index}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say(shlex.join(command))
     signalled: list[int] = []
     proc = subprocess.Popen(command, env=torchrun_env(os.environ))

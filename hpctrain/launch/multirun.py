@@ -35,12 +35,17 @@ from hpctrain.core.schema import Config
 from hpctrain.launch.allocation import allocation
 from hpctrain.plan.verdict import plan_dict
 from hpctrain.plan.login import plan_one, write_plan
-from hpctrain.core.rundir import overwrite_problem, prepare_run_dir
+from hpctrain.core import outdir
+from hpctrain.core.rundir import (RunLock, check_run_dir, overwrite_problem, own_run_dir, prepare_run_dir,
+                                  run_dir_override_problem)
 from hpctrain.launch.supervise import supervise
 from hpctrain.launch.sbatch import source_root, write_array_script
 from hpctrain.launch.slurm import submit_array
 
 SWEEP_FILE = "sweep.json"
+SWEEP_TOOL = "python -m hpctrain -m"  # the owner a sweep directory's marker names
+# What a sweep writes at the top of its directory, besides one run directory per element.
+SWEEP_ENTRIES = (SWEEP_FILE, "job.sbatch", "chain.sh", "logs", "submitit")
 MAX_ELEMENTS = 1000  # Slurm's default MaxArraySize is 1001
 
 
@@ -167,6 +172,9 @@ def multirun(overrides: list[str]) -> int:
     try:
         if "--cfg" in overrides:
             raise ConfigError("--cfg shows one config: drop -m, or give one element's values")
+        empty = run_dir_override_problem(overrides)
+        if empty:
+            raise ConfigError(empty)
         fixed, sweep = expand(overrides)
         base = compose(fixed)
         sweep_dir = Path(base.run.dir)
@@ -198,23 +206,52 @@ def multirun(overrides: list[str]) -> int:
             problem = overwrite_problem(e.cfg.run.dir, e.cfg.checkpoint.resume)
             if problem:
                 raise ConfigError(f"[{e.index}] {problem}")
+        for e in elements:  # every directory checked before any is written
+            check_run_dir(e.cfg.run.dir)
+        own_sweep_dir(sweep_dir)
+    except ConfigError as err:
+        print(f"hpctrain: error: {err}", file=sys.stderr)
+        return 2
+    locks: list[RunLock] = []
+    try:
+        for e in elements:  # refused, before anything is written, while another start holds one of them
+            locks.append(RunLock.take(own_run_dir(e.cfg.run.dir)))
         for e in elements:
             prepare_run_dir(e.cfg)
             write_plan(e.plan, e.cfg.run.dir)
         write_sweep(sweep_dir, fixed, elements, launcher)
+        return launch(sweep_dir, elements, base, locks)
     except ConfigError as err:
         print(f"hpctrain: error: {err}", file=sys.stderr)
         return 2
-    return launch(sweep_dir, elements, base)
+    finally:
+        for lock in locks:
+            lock.release()
 
 
-def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
+def own_sweep_dir(sweep_dir: Path) -> None:
+    """The sweep's directory, checked (absent, empty, or a sweep's: its marker, or sweep.json from before
+    markers), created and marked, as run directories are (hpctrain.core.rundir.own_run_dir)."""
+    try:
+        outdir.check_in_place(sweep_dir, SWEEP_TOOL, lambda d: (d / SWEEP_FILE).is_file())
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        outdir.mark(sweep_dir, SWEEP_TOOL, list(SWEEP_ENTRIES))
+    except outdir.OutputDirError as e:
+        raise ConfigError(f"run.dir={e}") from None
+    except OSError as e:
+        raise ConfigError(f"run.dir={sweep_dir} cannot be created or written ({e.strerror}: {e.filename}). "
+                          "Fix: choose a run.dir in a directory you can write to") from None
+
+
+def launch(sweep_dir: Path, elements: list[Element], base: Config, locks: list[RunLock]) -> int:
+    """Run the elements one after the other here, each holding its lock (locks[i]) to its end, or
+    submit them (each array task's supervisor takes its own element's lock)."""
     launcher = str(base.launcher.name)
     if launcher == "local":
         codes = []
-        for e in elements:
+        for e, lock in zip(elements, locks):
             print(f"hpctrain: sweep element {e.index + 1}/{len(elements)}: {' '.join(e.overrides)}", flush=True)
-            codes.append(supervise(e.cfg.run.dir))
+            codes.append(supervise(e.cfg.run.dir, lock))
         failed = [e for e, rc in zip(elements, codes) if rc != 0]
         print(f"sweep done: {len(elements) - len(failed)} of {len(elements)} completed"
               + (f"; failed: {', '.join(e.name for e in failed)}" if failed else "")
@@ -222,6 +259,8 @@ def launch(sweep_dir: Path, elements: list[Element], base: Config) -> int:
         return 1 if failed else 0
     run_dirs = [str(e.cfg.run.dir) for e in elements]
     if launcher == "slurm":
+        for lock in locks:  # before the array's tasks can start and take them
+            lock.release()
         return submit_array(base, sweep_dir, [e.cfg for e in elements], run_dirs, sys.executable, source_root())
     path = write_array_script(elements[0].cfg, sweep_dir, run_dirs, sys.executable, source_root(),
                               [e.cfg for e in elements])

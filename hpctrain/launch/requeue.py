@@ -12,15 +12,15 @@ import logging
 import subprocess
 from typing import Mapping
 
+from hpctrain.core.rundir import slurm_job
+
 log = logging.getLogger("hpctrain")
 
 
 def job_to_requeue(env: Mapping[str, str]) -> str | None:
     """`scontrol requeue` target: `<array job>_<task>` for an array task (requeueing the plain job id
     of a task would requeue the whole array), else the job id; None outside Slurm."""
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID")
+    return slurm_job(env)
 
 
 def requeue_decision(env: Mapping[str, str], max_requeues: int) -> tuple[str | None, str]:

@@ -36,10 +36,18 @@ from hpctrain.core.compose import ConfigError, load, to_yaml
 from hpctrain.launch import chain, requeue as slurm_requeue, summary
 from hpctrain.plan.elastic import shrink_to_fit
 from hpctrain.launch.failures import Failure, classify, read_reports
-from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, STOPPED, append_jsonl, attempt_dir, clear_outcome, list_complete,
-                             read_jsonl, read_outcome, write_atomic, write_jsonl)
+from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, STALE_S, STOPPED, RunLock, append_jsonl, attempt_dir,
+                             check_run_dir, clear_outcome, layout_problem, list_complete, read_jsonl, read_outcome,
+                             write_atomic, write_jsonl)
 from hpctrain.core.spec import world_size
 from hpctrain.launch.runners import LocalRunner, SrunRunner
+
+
+# How long the job's supervisor waits for a holder of the run's lock that may be gone: the job's own
+# earlier start (before a requeue), whose lock NFS keeps until the server's lease runs out (NFSv4: 90 s
+# by default) where its node was lost; a holder on another node seen only by its record, until its
+# heartbeat is STALE_S old.
+HOLDER_WAIT_S = STALE_S + 60.0
 
 
 def say(msg: str) -> None:
@@ -106,6 +114,14 @@ class Supervisor:
             stop = ended.interrupted or self.stopping
             if ended.rc == 0 and outcome.get("status") == "preempted":
                 return self._preempted(outcome, attempt, stop)
+            if ended.rc == 0 and outcome.get("status") == "nonfinite":
+                # A restart from the same checkpoint with the same config goes non-finite again.
+                at = (outcome.get("nonfinite") or {}).get("step")
+                say(f"the loss or gradient norm went non-finite at step {at}: stopped, not restarting "
+                    "(train.on_nonfinite)")
+                self._summary()
+                self._end_chain()
+                return 1
             if stop:
                 how = ("a second Ctrl-C (SIGINT) to the launcher: stopped at once, without saving"
                        if ended.stopped_now else
@@ -126,16 +142,16 @@ class Supervisor:
             say(f"restart {restarts} of at most {limit} from the newest complete checkpoint")
 
     def _recheck(self) -> str | None:
-        """config.yaml again, with every login-node check, before each start: someone may have edited
-        it since the run was submitted (or since the last start), and a bad value is cheaper to name
-        here than as a crash on every rank."""
+        """config.yaml again, with every login-node check, and the run directory's layout, before each
+        start: someone may have edited them since the run was submitted (or since the last start), and a
+        bad value is cheaper to name here than as a crash on every rank."""
         path = self.run_dir / "config.yaml"
         try:
             self.cfg = load(path)
             check(self.cfg)
         except ConfigError as e:
             return f"{path} {str(e).removeprefix(f'{path}: ')}. Fix the file, then run the same command again"
-        return None
+        return layout_problem(self.run_dir)  # a file put where the ranks keep theirs fails every one of them
 
     def _nodes(self) -> list[str] | None:
         """The nodes of the next start, the config re-planned when nodes were left out."""
@@ -270,10 +286,14 @@ class Supervisor:
             forward(signum)
 
 
-def supervise(run_dir: str | os.PathLike) -> int:
+def supervise(run_dir: str | os.PathLike, lock: RunLock | None = None) -> int:
+    """Drive the run in `run_dir` to its end, holding its lock all along: `lock` where the caller
+    took it already (python -m hpctrain, before it wrote config.yaml), else taken here (a Slurm job's
+    batch script, and again by the job after a requeue)."""
     logging.basicConfig(level=logging.INFO, format="hpctrain: %(message)s", stream=sys.stderr)
     run_dir = Path(run_dir).resolve()
     try:
+        check_run_dir(run_dir)
         cfg = load(run_dir / "config.yaml")
     except ConfigError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
@@ -283,16 +303,25 @@ def supervise(run_dir: str | os.PathLike) -> int:
         print(f"hpctrain: error: launcher={cfg.launcher.name} runs the supervisor inside a Slurm job "
               "(the batch script does); outside one, use launcher=local", file=sys.stderr)
         return 2
-    runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
-    sup = Supervisor(run_dir, runner, slurm)
-    # scancel, Ctrl-C: no restarts, and no traceback. While local ranks run, the local runner passes
-    # signals on to them itself (hpctrain.launch.local); here they count between its starts.
-    previous = {s: signal.signal(s, sup.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return sup.run()
+        held = lock or RunLock.take(run_dir, wait_s=HOLDER_WAIT_S if slurm else 0.0)
+    except ConfigError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
+        sup = Supervisor(run_dir, runner, slurm)
+        # scancel, Ctrl-C: no restarts, and no traceback. While local ranks run, the local runner passes
+        # signals on to them itself (hpctrain.launch.local); here they count between its starts.
+        previous = {s: signal.signal(s, sup.interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return sup.run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if lock is None:
+            held.release()
 
 
 def main(argv: list[str] | None = None) -> int:
