@@ -261,7 +261,8 @@ def step_dir(tmp_path_factory) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save({"model": weights}, storage_writer=RawWriter(str(step), thread_count=1), no_dist=True)
-    (step / INFO).write_text(json.dumps({"config": {"model": dataclasses.asdict(m), "data": {"seq_len": 16}}}))
+    (step / INFO).write_text(json.dumps({"step": 1, "world_size": 1,
+                                         "config": {"model": dataclasses.asdict(m), "data": {"seq_len": 16}}}))
     return step
 
 

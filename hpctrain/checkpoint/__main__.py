@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.safe import DamagedCheckpoint, SafeReader, check_files, read_metadata
 from hpctrain.checkpoint.hf_weights import export_hf
+from hpctrain.checkpoint.validate import read_info
 from hpctrain.core import hf_format as hf
+from hpctrain.core.compose import ConfigError
 from hpctrain.core.outdir import OutputDirError
 
 
@@ -99,16 +101,35 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def listing(run_dir: Path) -> list[str]:
-    """One line per complete checkpoint of a run, oldest first, under a header; none: []."""
+def listing(run_dir: Path, errors: list | None = None) -> list[str]:
+    """One line per complete checkpoint of a run, oldest first, under a header; none: []. A checkpoint
+    whose hpctrain.json cannot be read is left out, and why goes to `errors`."""
     rows = []
     for step, path in store.list_complete(run_dir / "checkpoints"):
-        info = store.read_info(path)
-        tokens = (info.get("progress") or {}).get("tokens_seen")
-        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["time"])) if "time" in info else "?"
-        rows.append(f"{step:>10}  {saved}  {info.get('world_size', '?'):>5}  "
-                    f"{tokens if tokens is None else format(tokens, ','):>14}  {path}")
+        try:
+            info = read_info(path)
+        except DamagedCheckpoint as e:
+            if errors is not None:
+                errors.append(str(e))
+            continue
+        progress = info.get("progress")
+        tokens = progress.get("tokens_seen") if isinstance(progress, dict) else None
+        tokens = format(tokens, ",") if type(tokens) is int else "?"
+        when = info.get("time")
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) \
+            if type(when) in (int, float) and 0 <= when < 1e11 else "?"
+        rows.append(f"{step:>10}  {saved:<19}  {info['world_size']:>5}  {tokens:>14}  {path}")
     return [f"{'step':>10}  {'saved':<19}  {'world':>5}  {'tokens':>14}  directory", *rows] if rows else []
+
+
+def export_config_check(step_dir: Path) -> None:
+    """The Hugging Face and PEFT exports build the model's config from hpctrain.json's config: it must be
+    an object with model and data sections (DamagedCheckpoint otherwise, naming the file)."""
+    config = read_info(step_dir).get("config")
+    if not isinstance(config, dict) or not all(isinstance(config.get(k), dict) for k in ("model", "data")) \
+            or type(config["data"].get("seq_len")) is not int or config["data"]["seq_len"] < 1:
+        raise DamagedCheckpoint(f"{step_dir / store.INFO} holds no config with a model section and a data.seq_len: "
+                                "the export takes the model's shape and context length from them")
 
 
 def complete_near(path: Path) -> str:
@@ -144,18 +165,26 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cmd == "list":
-        rows = listing(args.run_dir)
+        errors: list[str] = []
+        rows = listing(args.run_dir, errors)
+        if rows:
+            print("\n".join(rows))
+        for err in errors:
+            print(f"error: {err}", file=sys.stderr)
+        if errors:
+            return 2
         if not rows:
             print(f"no complete checkpoint in {args.run_dir / 'checkpoints'} (a run saves with "
                   "checkpoint.every=N)", file=sys.stderr)
             return 1
-        print("\n".join(rows))
         return 0
     if not store.is_complete(args.step_dir):
         print(f"error: {args.step_dir} is not a complete checkpoint (a step-NNNNNNNN directory with "
               f"{store.DCP_METADATA} and {store.INFO}). {complete_near(args.step_dir)}", file=sys.stderr)
         return 2
     try:
+        if args.format != "file":  # both read the run's config from hpctrain.json
+            export_config_check(args.step_dir)
         if args.format == "peft":
             from hpctrain.checkpoint.peft_format import AdapterError, export_peft
 
@@ -179,6 +208,12 @@ def main(argv=None) -> int:
         flat = export(args.step_dir, args.out, args.dtype)
     except (DamagedCheckpoint, OutputDirError, hf.HFError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:  # hpctrain.json's model config, as compose checks it
+        print(f"error: {args.step_dir / store.INFO}'s config: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a shard file that cannot be read (permissions, I/O error)
+        print(f"error: {args.step_dir}: {err.strerror or err} ({err.filename or 'read'})", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in flat.values())
     print(f"wrote {len(flat)} tensors, {n:,} parameters -> {args.out}")

@@ -14,6 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
+from hpctrain.checkpoint.validate import DamagedCheckpoint
+from hpctrain.checkpoint.validate import read_info as read_checked_info
 from hpctrain.core.rundir import (DCP_METADATA, INFO, is_complete, list_complete, list_incomplete,  # noqa: F401
                              read_info, step_name)
 
@@ -62,15 +64,28 @@ def commit(tmp: Path, root: Path, step: int, info: dict) -> Path:
     return final
 
 
+def newest_finite(complete: list[tuple[int, Path]]) -> Path | None:
+    """The newest of these checkpoints whose hpctrain.json says its tensors were checked finite when it
+    was saved (newest first: normally the first one read answers)."""
+    for _, path in reversed(complete):
+        try:
+            if read_checked_info(path).get("finite") is True:
+                return path
+        except DamagedCheckpoint:
+            continue
+    return None
+
+
 def doom(root: Path, keep: int, protect: tuple[Path | None, ...] = (), keep_every: int = 0) -> list[Path]:
     """Retention, the quick half: all but the newest `keep` complete checkpoints (never one in
-    `protect`: the one just committed, the one the run resumed from; nor a milestone: a step that is a
-    multiple of `keep_every`) are renamed out of
+    `protect`: the one just committed, the one the run resumed from; nor the newest one known finite,
+    so that checkpoints of a diverged run written without the check never push out the last good one;
+    nor a milestone: a step that is a multiple of `keep_every`) are renamed out of
     discovery's sight, and returned with every leftover temporary dir for `purge` to delete. A crash
     before the purge leaves `.del-*` dirs the next call picks up."""
     removed = []
     complete = list_complete(root)
-    kept = {p.resolve() for p in protect if p is not None}
+    kept = {p.resolve() for p in (*protect, newest_finite(complete) if keep > 0 else None) if p is not None}
     for step, path in complete[:-keep] if keep > 0 else []:
         if path.resolve() in kept:
             continue

@@ -40,6 +40,7 @@ from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
+from hpctrain.checkpoint.validate import (first_nonfinite, nonfinite_message, plain_problems, read_info, read_per_rank)
 from hpctrain.core.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
 from hpctrain.core.faults import wrap_writer
 from hpctrain.core.schema import CheckpointConfig
@@ -126,13 +127,19 @@ class CheckpointManager:
     # ---------------------------------------------------------------- saving
 
     def save(self, step: int, blocking: bool = True) -> None:
-        """All ranks call this together."""
+        """All ranks call this together. A state with a NaN or an infinity in any rank's tensors is not
+        saved (it would become the checkpoint a restart resumes from): the save is skipped and logged."""
         self.wait()
         t0 = time.perf_counter()
-        tmp = store.tmp_dir(self.root, step, self._start(step))
+        state = self._tensor_state()
+        nonce = self._start(step, first_nonfinite(state))
+        if nonce is None:
+            return
+        tmp = store.tmp_dir(self.root, step, nonce)
         tmp.mkdir(parents=True, exist_ok=True)  # every rank: the nonce makes the name fresh
         plain, per_rank = self._write_plain(tmp)
-        info = {"step": step, "world_size": self.world, "time": time.time(), **plain, **self.meta,
+        # finite: every tensor was checked before the save (retention keeps the newest such checkpoint).
+        info = {"step": step, "world_size": self.world, "time": time.time(), "finite": True, **plain, **self.meta,
                 "torch": torch.__version__}
         writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads), pool=self._io_pool(),
                                        also_sync=per_rank), step, self.rank)
@@ -144,7 +151,6 @@ class CheckpointManager:
         # A blocking save waits for the write right away, so it can write the live tensors; an async
         # one copies them first into host buffers that the next step may not touch.
         stager = InPlaceStager() if blocking else self._stager
-        state = self._tensor_state()
         with _gc_paused():
             future = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                     process_group=self._pg, async_stager=stager)
@@ -223,10 +229,11 @@ class CheckpointManager:
             self._purge.join()
             self._purge = None
 
-    def _start(self, step: int) -> str:
-        """One collective opens a save: rank 0 refuses one that cannot fit, judged by the previous
-        checkpoint's size, before a byte is written, and names the temporary directory."""
-        verdict = [None, f"{secrets.randbits(32):08x}"]
+    def _start(self, step: int, nonfinite: Optional[str]) -> Optional[str]:
+        """One collective opens a save: every rank says which of its tensors is not finite, if any;
+        rank 0 refuses a save that cannot fit, judged by the previous checkpoint's size, before a byte is
+        written, and names the temporary directory. None: the save is skipped (a tensor is not finite)."""
+        space = None
         if self.rank == 0:
             good = store.list_complete(self.root)
             if good:
@@ -235,12 +242,33 @@ class CheckpointManager:
                     self._join_purge()  # the space of the checkpoints being deleted counts
                     free = store.free_bytes(self.root)
                 if free < need * 1.05:
-                    verdict[0] = (f"No space left on device for it: {_mb(free)} free under {self.root}, "
-                                  f"the previous checkpoint took {_mb(need)}")
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            self._fail(step, verdict[0])
-        return verdict[1]
+                    space = (f"No space left on device for it: {_mb(free)} free under {self.root}, "
+                             f"the previous checkpoint took {_mb(need)}")
+        verdicts = self._gather((nonfinite, space, f"{secrets.randbits(32):08x}"))
+        bad = next(((rank, v[0]) for rank, v in enumerate(verdicts) if v[0]), None)
+        if bad:
+            self._skip(step, nonfinite_message(bad[1], bad[0]))
+            return None
+        if verdicts[0][1]:
+            self._fail(step, verdicts[0][1])
+        return verdicts[0][2]
+
+    def _gather(self, mine) -> list:
+        """Every rank's `mine`, by rank: one collective."""
+        out = [None] * self.world
+        dist.all_gather_object(out, mine)
+        return out
+
+    def _first_fault(self, mine: Optional[str]) -> Optional[str]:
+        """The lowest rank's fault (None when no rank has one), the same on every rank."""
+        fault = next(((r, v) for r, v in enumerate(self._gather(mine)) if v), None)
+        return None if fault is None else fault[1] if fault[0] == 0 else f"rank {fault[0]}: {fault[1]}"
+
+    def _skip(self, step: int, why: str) -> None:
+        if self.rank == 0:
+            good = store.list_complete(self.root)
+            kept = f"the newest complete checkpoint, {good[-1][1]}, is kept" if good else "there is no earlier checkpoint"
+            log.warning("checkpoint of step %d not saved: %s; %s", step, why, kept)
 
     def _abandon(self, tmp: Path, step: int, error: BaseException) -> None:
         """A save failed on some rank (full disk, I/O error): drop its pieces, keep the last good one."""
@@ -316,7 +344,7 @@ class CheckpointManager:
         wanted = self._all_shapes(expected_shapes(state))
         problems = []
         for step, path in cands:
-            verdict = self._verify(step, path, wanted)
+            verdict, plain = self._verify(step, path, wanted)
             if verdict is None:
                 try:
                     with _gc_paused():
@@ -325,8 +353,11 @@ class CheckpointManager:
                     if isinstance(e, (KeyboardInterrupt, SystemExit)):
                         raise
                     verdict = f"loading failed: {_first_line(e)}"
+            if verdict is None:  # a NaN loaded would be trained on, and saved again
+                bad = first_nonfinite(state)
+                verdict = self._first_fault(nonfinite_message(bad, self.rank) if bad else self._load_plain(path, plain))
             if verdict is None:
-                self._restore(path, state)
+                self._restore(state)
                 self.loaded = path
                 if problems:
                     on_warning(f"resumed from the older checkpoint {path.name} instead")
@@ -339,20 +370,23 @@ class CheckpointManager:
                                  + "\nFix: delete the damaged checkpoints to start afresh, or point "
                                    "checkpoint.load_step at a good one")
 
-    def _restore(self, path: Path, tensors: dict) -> None:
-        info = store.read_info(path)
-        same_world = info.get("world_size") == self.world
+    def _load_plain(self, path: Path, plain: dict) -> Optional[str]:
+        """Load the plain states _verify checked (a per-rank one only where it found it) into their
+        objects; why one would not take its state, or None. A later checkpoint's load replaces what a
+        refused one left, as it does the tensors."""
+        for name, state in plain.items():
+            try:
+                self.objects[name].load_state_dict(state)
+            except Exception as e:  # noqa: BLE001 - the state is the checkpoint's; the code loaded its own saves
+                where = (path / name / f"rank-{self.rank:05d}.json" if getattr(self.objects[name], "per_rank", False)
+                         else f"{path / store.INFO}'s {name}")
+                return f"{where} cannot be loaded into this run's {name} ({_first_line(e)})"
+        return None
+
+    def _restore(self, tensors: dict) -> None:
         for name, obj in self.objects.items():
             if getattr(obj, "sharded", False):
                 obj.load_state_dict(tensors[name])
-            elif not getattr(obj, "per_rank", False):
-                obj.load_state_dict(info[name])
-            elif same_world:  # after a change of world size ranks no longer correspond
-                mine = path / name / f"rank-{self.rank:05d}.json"
-                if mine.is_file():
-                    obj.load_state_dict(json.loads(mine.read_text()))
-                else:
-                    log.warning("%s is missing: %s not restored", mine, name)
 
     def _claims_problem(self, step: int, info: dict) -> Optional[str]:
         """A copied or edited checkpoint claims a step its directory name does not: resuming from it
@@ -366,9 +400,6 @@ class CheckpointManager:
             if type(value) is not int or value != step:
                 return (f"{where} says step {value!r}, its directory name says step {step}: it was copied "
                         "or edited by hand")
-        world = info.get("world_size")
-        if type(world) is not int or world < 1:
-            return f"{store.INFO} says world_size {world!r}"
         return None
 
     def _all_shapes(self, mine: dict) -> dict:
@@ -380,30 +411,48 @@ class CheckpointManager:
             out.update(d)
         return out
 
-    def _verify(self, step: int, path: Path, wanted: dict) -> Optional[str]:
-        """Rank 0 checks the files and the checkpoint's own records (which must agree with its name
-        and with each other); everyone gets its verdict (the same on every rank)."""
-        verdict = [None]
-        if self.rank == 0:
-            try:
+    def _verify(self, step: int, path: Path, wanted: dict) -> tuple[Optional[str], dict]:
+        """Rank 0 checks the metadata, the files and hpctrain.json's records (which must agree with the
+        directory's name, with each other and with the objects they will be loaded into); every rank
+        checks its own per-rank files. Returns the first fault (the same on every rank: one collective)
+        and the plain states to restore."""
+        problem, plain = None, {}
+        try:
+            if self.rank == 0:
                 md = read_metadata(path)
                 check_files(path, md)
-                check_shapes(md, wanted)
-                info = store.read_info(path)
-                missing = [n for n, o in self.objects.items()
-                           if not getattr(o, "sharded", False) and not getattr(o, "per_rank", False) and n not in info]
-                if missing:
-                    raise DamagedCheckpoint(f"{store.INFO} holds no {', '.join(missing)} state "
-                                            "(written by an older hpctrain)")
-                claims = self._claims_problem(step, info)
-                if claims:
-                    raise DamagedCheckpoint(claims)
-            except DamagedCheckpoint as e:
-                verdict = [str(e)]
-            except (OSError, ValueError) as e:
-                verdict = [f"{store.INFO} unreadable ({e})"]
-        dist.broadcast_object_list(verdict, src=0)
-        return verdict[0]
+                check_shapes(md, wanted, tuple(f"{n}." for n, o in self.objects.items() if getattr(o, "exact_keys", False)))
+            info = read_info(path)  # every rank: the checks are cheap, and each rank loads what it checked
+            claims = self._claims_problem(step, info) or plain_problems(path, info, self.objects)
+            if claims:
+                raise DamagedCheckpoint(claims)
+            plain = {n: info[n] for n, o in self.objects.items()
+                     if not getattr(o, "sharded", False) and not getattr(o, "per_rank", False)}
+            plain.update(self._per_rank_states(path, info))
+        except DamagedCheckpoint as e:
+            problem = str(e)
+        except (OSError, ValueError) as e:  # a rank that raised here would leave the others in the collective
+            problem = f"{path} unreadable ({e})"
+        return self._first_fault(problem), plain
+
+    def _per_rank_states(self, path: Path, info: dict) -> dict:
+        """This rank's per-rank states, checked; none after a change of world size (ranks no longer
+        correspond)."""
+        out = {}
+        if info["world_size"] != self.world:
+            return out
+        for name, obj in self.objects.items():
+            if not getattr(obj, "per_rank", False):
+                continue
+            mine = path / name / f"rank-{self.rank:05d}.json"
+            if not mine.is_file():
+                log.warning("%s is missing: %s not restored", mine, name)
+                continue
+            state, problem = read_per_rank(mine, obj)
+            if problem:
+                raise DamagedCheckpoint(problem)
+            out[name] = state
+        return out
 
 
 @contextlib.contextmanager

@@ -36,6 +36,9 @@ class ModelState:
     """Every parameter of this rank's model parts (pipeline stages), by its plain name."""
 
     sharded = True  # DCP saves and reshards it (hpctrain.checkpoint.manager)
+    # A checkpoint holding a model.* tensor this model lacks is another model's: refused, not dropped.
+    # (The optimizer's keys differ by layout and are not held to this.)
+    exact_keys = True
 
     def __init__(self, parts: list[nn.Module]):
         self.parts = parts
