@@ -274,3 +274,13 @@ def test_a_base_in_the_download_cache_is_confined_to_its_repository_folder(tmp_p
     plain.mkdir(parents=True)
     (plain / "config.json").symlink_to("../../secret")
     assert inside(plain, "config.json")[0] is None
+    # A --local-dir download of an older huggingface_hub: its large files link into the cache's blobs.
+    # Mutant: _cache_blob always False (the Llama 3 tokenizer of such a directory refused).
+    local = tmp_path / "Llama-3.1-8B"
+    local.mkdir()
+    (local / "tokenizer.json").symlink_to(repo / "blobs" / "deadbeef")
+    assert inside(local, "tokenizer.json") == (repo / "blobs" / "deadbeef", None)
+    (tmp_path / "blobs").mkdir()  # a folder merely named blobs, outside a cache repository
+    (tmp_path / "blobs" / "key").write_text("key")
+    (local / "secret.json").symlink_to(tmp_path / "blobs" / "key")
+    assert inside(local, "secret.json")[0] is None

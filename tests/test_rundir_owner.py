@@ -178,6 +178,21 @@ def test_this_process_cannot_take_its_own_lock_twice(tmp_path):
     RunLock.take(d).release()
 
 
+def test_a_lock_file_that_cannot_be_written_is_said_not_a_traceback(tmp_path, monkeypatch):
+    """A full disk, a quota or a stale NFS handle while the record is written: a message naming the lock
+    file and what to check, and the lock left free. Mutant: the OSError let through."""
+    d = own_run_dir(tmp_path / "run")
+
+    def full(fd, rec):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(rundir, "write_record", full)
+    with pytest.raises(RunDirError, match=r"\.lock: the run's lock cannot be taken \(Disk quota exceeded\)\. Fix: "):
+        RunLock.take(d)
+    monkeypatch.undo()
+    RunLock.take(d).release()  # nothing held on
+
+
 def test_a_dead_holders_ranks_still_running_are_named(tmp_path):
     """A driver killed with SIGKILL leaves its ranks running (sessions of their own): its lock is free,
     its ranks still write. Mutant: no running_ranks check."""

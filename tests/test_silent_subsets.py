@@ -464,5 +464,7 @@ def test_checkpoint_tensors_outside_config_json_are_refused(tmp_path):
     assert hf.problems(m, d) == []
     tied = ModelConfig(**SHAPE, rope_theta=m.rope_theta, norm_eps=m.norm_eps, tie_embeddings=True)
     (d / hf.CONFIG).write_text(json.dumps({**cfg, "attention_bias": False, "tie_word_embeddings": True}))
-    (msg,) = hf.problems(tied, d)
+    # transformers keeps such an lm_head.weight as an output layer of its own (untied) where it differs
+    msg, hint = hf.problems(tied, d)
     assert "holds 1 tensor that a model of its config.json does not have" in msg and "lm_head.weight" in msg
+    assert "Fix: model.tie_embeddings=false" in hint

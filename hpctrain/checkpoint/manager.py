@@ -367,8 +367,9 @@ class CheckpointManager:
             problems.append(msg)
             on_warning(msg + ("; trying an older one" if (step, path) != cands[-1] else ""))
         raise NoUsableCheckpoint("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(problems)
-                                 + "\nFix: delete the damaged checkpoints to start afresh, or point "
-                                   "checkpoint.load_step at a good one")
+                                 + "\nFix: each line says why; a checkpoint of another model or config resumes "
+                                   "with that config; to start afresh, use a new run.dir (these checkpoints stay "
+                                   "as they are); checkpoint.load_step picks a good one")
 
     def _load_plain(self, path: Path, plain: dict) -> Optional[str]:
         """Load the plain states _verify checked (a per-rank one only where it found it) into their
@@ -431,8 +432,8 @@ class CheckpointManager:
             plain.update(self._per_rank_states(path, info))
         except DamagedCheckpoint as e:
             problem = str(e)
-        except (OSError, ValueError) as e:  # a rank that raised here would leave the others in the collective
-            problem = f"{path} unreadable ({e})"
+        except Exception as e:  # noqa: BLE001 - a rank that raised here would leave the others in the collective
+            problem = f"{path} unreadable ({type(e).__name__}: {e})"
         return self._first_fault(problem), plain
 
     def _per_rank_states(self, path: Path, info: dict) -> dict:

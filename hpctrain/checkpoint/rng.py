@@ -34,7 +34,10 @@ def restore(state: dict) -> None:
     version, mt, gauss_next = state["python"]
     random.setstate((version, tuple(mt), gauss_next))
     if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["torch_cuda"]])
+        # The devices this process sees now: a rank bound to one GPU where it saw all of them (or the other
+        # way round) restores the ones both have (hpctrain's data and initialization draw from none).
+        for i, s in enumerate(state["torch_cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_unb64(s), i)
 
 
 def state_problem(state) -> str | None:
@@ -95,10 +98,8 @@ def _cuda_problem(value) -> str | None:
         return "torch_cuda is not a list of base64 strings"
     if not torch.cuda.is_available():  # not restored here (see restore)
         return None
-    states = torch.cuda.get_rng_state_all()
-    if len(value) > len(states):
-        return f"torch_cuda holds {len(value)} devices' states, this process sees {len(states)}"
-    return next((p for p in (_bytes_problem(f"torch_cuda[{i}]", s, states[i].numel()) for i, s in enumerate(value)) if p),
+    states = torch.cuda.get_rng_state_all()  # the devices both have are restored (see restore)
+    return next((p for p in (_bytes_problem(f"torch_cuda[{i}]", s, states[i].numel()) for i, s in enumerate(value[:len(states)])) if p),
                 None)
 
 

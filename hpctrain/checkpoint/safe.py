@@ -211,7 +211,11 @@ def read_metadata(path: str | os.PathLike):
         md = _Unpickler(data).load()
     except Exception as e:
         raise DamagedCheckpoint(f"{meta_path} is unreadable ({type(e).__name__}: {e})") from None
-    problem = _records_problem(md, Path(path))
+    try:
+        problem = _records_problem(md, Path(path))
+    except (AttributeError, TypeError, ValueError, OverflowError, KeyError, IndexError) as e:
+        # a record built empty and never filled (NEWOBJ without BUILD) lacks the fields the checks read
+        problem = f"a record is incomplete or malformed ({type(e).__name__}: {e})"
     if problem:
         raise DamagedCheckpoint(f"{meta_path}: {problem}")
     return md
@@ -350,7 +354,6 @@ def _overlapping(chunks: list):
 def _storage_problem(md, root: Path) -> str | None:
     """One storage record per chunk, inside the checkpoint directory, as long as the chunk's bytes (a
     `.raw` item is exactly those bytes; a `.distcp` item wraps them in torch.save's zip, so is longer)."""
-    inside, confined = root.resolve(), {}  # a few files hold every record: each path resolved once
     for index, info in md.storage_data.items():
         fqn = getattr(index, "fqn", index)
         rel = getattr(info, "relative_path", None)
@@ -359,10 +362,10 @@ def _storage_problem(md, root: Path) -> str | None:
             return f"the storage record {_brief([fqn])} names no tensor of the checkpoint"
         if not isinstance(rel, str) or not rel or len(rel) > MAX_NAME:
             return f"the storage of {fqn!r} is {_brief([rel])}, not a file name"
-        if rel not in confined:
-            confined[rel] = not os.path.isabs(rel) and ".." not in Path(rel).parts \
-                and (inside / rel).resolve().is_relative_to(inside)
-        if not confined[rel]:
+        # Both writers name files flat in the checkpoint directory: a name alone, checked without the disk
+        # (every rank reads the metadata; thousands of stat calls each would load a parallel file system).
+        # Where a name leads once symlinks are followed is checked by check_files, on one rank.
+        if "/" in rel or "\0" in rel or rel in (".", ".."):
             return f"the storage of {fqn!r} is {rel!r}, outside the checkpoint directory"
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not all(type(v) is int and 0 <= v < MAX_BYTE for v in (offset, length)):
@@ -437,10 +440,14 @@ def check_files(path: str | os.PathLike, md=None) -> None:
     ends: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    inside = path.resolve()
     for rel, end in sorted(ends.items()):
         f = path / rel
         if not f.is_file():
             raise DamagedCheckpoint(f"shard file {f} is missing")
+        if f.resolve().parent != inside:  # a symlink out of the checkpoint (its bytes would be exported)
+            raise DamagedCheckpoint(f"shard file {rel!r} of {path} leads outside the checkpoint directory "
+                                    f"(to {f.resolve()})")
         size = f.stat().st_size
         if size < end:
             raise DamagedCheckpoint(f"shard file {f} is truncated ({size} bytes, the metadata needs {end})")

@@ -97,7 +97,10 @@ def plain_problems(path: Path, info: dict, objects: dict) -> str | None:
         where = f"{Path(path) / INFO}'s {name}"
         if name not in info:
             return f"{Path(path) / INFO} holds no {name} state (written by an older hpctrain)"
-        problem = state_problem(where, info[name], obj.state_dict()) or own_problem(obj, where, info[name])
+        saved, reads = info[name], getattr(obj, "reads", None)
+        if reads is not None and isinstance(saved, dict):  # the object loads these keys and ignores the rest
+            saved = {k: v for k, v in saved.items() if k in reads}
+        problem = state_problem(where, saved, obj.state_dict()) or own_problem(obj, where, saved)
         if problem:
             return problem
     return None

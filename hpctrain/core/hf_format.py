@@ -130,18 +130,27 @@ def confinement_root(directory: str | os.PathLike) -> Path:
     return root
 
 
+def _cache_blob(real: Path) -> bool:
+    """A file of huggingface_hub's download cache (models--ORG--NAME/blobs/HASH): where the files of a
+    `huggingface-cli download --local-dir` directory lead (hub < 0.23 linked large files, a Llama 3
+    tokenizer.json among them, from the local directory into the cache)."""
+    return real.parent.name == "blobs" and real.parent.parent.name.startswith(("models--", "datasets--")) \
+        and (real.parent.parent / "snapshots").is_dir()
+
+
 def inside(directory: str | os.PathLike, name: str) -> tuple[Path | None, str | None]:
     """(the real path of directory/name, None) when it is a regular file that lies inside `directory`
     once every symlink is resolved; (None, why not) when it is something else; (None, None) when absent.
     For copying files out of a user's directory: nothing that did not come from inside it. A snapshot
     of the Hugging Face download cache (<cache>/models--ORG--NAME/snapshots/REV, its files symlinks
-    into ../../blobs) is confined to its repository's folder models--ORG--NAME instead."""
+    into ../../blobs) is confined to its repository's folder models--ORG--NAME instead, and a file that
+    leads into such a cache's blobs is accepted from any directory (_cache_blob)."""
     root = confinement_root(directory)
     p = Path(directory) / name
     if not (p.exists() or p.is_symlink()):
         return None, None
     real = Path(os.path.realpath(p))
-    if real != root and root not in real.parents:
+    if real != root and root not in real.parents and not _cache_blob(real):
         return None, f"{p} leads outside {directory} (to {real})"
     try:
         mode = os.stat(real).st_mode
@@ -732,6 +741,11 @@ def problems(m: ModelConfig, path: str | Path) -> list[str]:
         out.append(f"{path} holds {len(unused)} tensor{'s' * (len(unused) > 1)} that a model of its config.json "
                    f"does not have (hpctrain would train without them: another model): {few}. Fix: the config.json "
                    f"these weights came with, or weights of this model")
+        if m.tie_embeddings and "lm_head.weight" in unused:
+            # transformers unties the two when the file holds both with different values: another model
+            out.append(f"{path}: lm_head.weight beside a tied embedding (tie_word_embeddings true) is a separate "
+                       "output layer to transformers unless it equals the embedding. Fix: model.tie_embeddings=false "
+                       "to train it as one, or remove lm_head.weight from the files if it is a copy")
     return out
 
 

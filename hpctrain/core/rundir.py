@@ -279,6 +279,10 @@ class RunLock:
             write_record(fd, me)
             if not locked and read_record(fd) != me:  # another start wrote its record at the same moment
                 raise RunDirBusy(busy_message(run_dir, read_record(fd)))
+        except OSError as e:  # ESTALE, EIO, a full disk or quota: said, not a traceback
+            os.close(fd)
+            raise RunDirError(f"{run_dir / LOCK}: the run's lock cannot be taken ({e.strerror or e}). Fix: check "
+                              f"the file system of run.dir (space, quota, a stale NFS handle), then run this again") from None
         except BaseException:
             os.close(fd)
             raise

@@ -25,11 +25,16 @@ class Schedule:
     from this run's optim.lr: a run resumed with a lower one (after its loss went non-finite) trains with
     it, where the checkpoint's saved base rates would silently keep the old one."""
 
+    # What a checkpoint keeps of torch's LambdaLR: its position. The rest of its __dict__ (base rates, the
+    # lambdas' own dicts, `verbose`) is this run's to rebuild, and its keys differ between torch versions: a
+    # checkpoint's other keys (earlier checkpoints hold the whole dict) are ignored, never loaded.
+    reads = ("last_epoch", "_step_count")
+
     def __init__(self, scheduler, optimizer):
         self.scheduler, self.optimizer = scheduler, optimizer
 
     def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
+        return {k: v for k, v in self.scheduler.state_dict().items() if k in self.reads}
 
     def state_problem(self, state: dict) -> str | None:
         """The position in the schedule is the one thing loading must find (the checkpoint's kinds and
@@ -38,9 +43,8 @@ class Schedule:
 
     def load_state_dict(self, state: dict) -> None:
         s = self.scheduler
-        base = list(s.base_lrs)
-        s.load_state_dict(state)
-        s.base_lrs = base
-        s._last_lr = [b * f(s.last_epoch) for b, f in zip(base, s.lr_lambdas)]
+        s.last_epoch = state["last_epoch"]
+        s._step_count = state.get("_step_count", s.last_epoch + 1)
+        s._last_lr = [b * f(s.last_epoch) for b, f in zip(s.base_lrs, s.lr_lambdas)]
         for group, lr in zip(self.optimizer.param_groups, s.get_last_lr()):
             group["lr"] = lr
