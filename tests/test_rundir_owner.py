@@ -235,6 +235,33 @@ def test_a_requeued_job_waits_for_its_own_earlier_start(tmp_path, monkeypatch):
         p.wait()
 
 
+@pytest.mark.parametrize("seen", ["letting go", "silent"])
+def test_another_jobs_lock_is_waited_for_while_its_holder_may_be_gone(tmp_path, monkeypatch, seen):
+    """Held by another Slurm job, but with its record emptied (a holder letting go, or between its lock
+    and its record) or its heartbeat silent (a lost node's lock kept to the end of the NFS lease): waited
+    for, not refused at once (CI saw the first). Mutants: an empty record counted as surely busy; the
+    heartbeat's age ignored."""
+    d = own_run_dir(tmp_path / "run")
+    p = holder(d, env={"SLURM_JOB_ID": "77"})
+    try:
+        if seen == "letting go":
+            monkeypatch.setattr(rundir, "read_record", lambda fd: None)
+        else:
+            monkeypatch.setattr(rundir, "heartbeat_age", lambda fd: 10 * rundir.HEARTBEAT_S)
+        sleep = rundir.time.sleep
+
+        def holder_ends(s):  # the first wait: the holder goes
+            p.stdin.close()
+            p.wait()
+            sleep(s)
+        monkeypatch.setattr(rundir.time, "sleep", holder_ends)
+        with RunLock.take(d, env={"SLURM_JOB_ID": "78"}, wait_s=60, poll_s=0.01) as lock:
+            assert lock.locked
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_with_node_local_locks_another_hosts_fresh_record_still_counts(tmp_path):
     """Lustre -o localflock or NFS local_lock: the lock is free here while a start on another node holds
     its own. Its record, refreshed by its heartbeat, still refuses; once silent for STALE_S it is taken

@@ -394,7 +394,11 @@ def wait_for_lock(fd: int, run_dir: Path, me: dict, wait_s: float, poll_s: float
             return state == "locked", rec
         if state == "locked":
             fcntl.lockf(fd, fcntl.LOCK_UN)  # not ours while its holder may live
-        sure = state == "busy" and me.get("job") is not None and not (rec and earlier_start_of(rec, me))
+        # Surely another job's: its lock held, its record written and its heartbeat fresh. An empty record is
+        # a holder between its lock and its record, or letting go; a silent heartbeat, a lost node's lock that
+        # its NFS server keeps to the end of the lease: both waited for.
+        sure = state == "busy" and me.get("job") is not None and rec is not None \
+            and not earlier_start_of(rec, me) and age < 2 * HEARTBEAT_S
         if sure or time.monotonic() >= deadline:
             raise RunDirBusy(busy_message(run_dir, rec, None if state == "busy" else age))
         time.sleep(poll_s)
