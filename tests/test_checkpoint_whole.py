@@ -9,7 +9,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import pickle
 import resource
 import shutil
@@ -23,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -288,14 +286,6 @@ def test_hostile_metadata_is_refused_within_bounded_memory(tmp_path):
 
 BASE = ("+experiment=tiny", "launcher.nproc=1", "train.global_batch=4", "train.micro_batch=2",
         "data.seq_len=16", "optim.warmup_steps=1")
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _trainer(run_dir: Path, *overrides: str):

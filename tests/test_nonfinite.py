@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hpctrain.core.compose import compose
@@ -27,14 +25,6 @@ from reference import lr_at
 
 BASE = ("+experiment=tiny", "launcher.nproc=1", "train.global_batch=4", "train.micro_batch=2",
         "data.seq_len=16", "optim.warmup_steps=1")
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def trainer(run_dir: Path, *overrides: str) -> Trainer:
