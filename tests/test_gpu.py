@@ -277,3 +277,33 @@ def test_lora_in_bf16_tracks_fp32_on_the_cpu(tmp_path, zero):
               and hasattr(v, "properties")}
     assert dtypes["model.layers.0.attention.wq.weight"] == torch.bfloat16
     assert dtypes["model.layers.0.attention.wq.lora_A"] == torch.float32
+
+
+def test_the_finite_check_of_a_save_reads_cuda_tensors_exactly():
+    """checkpoint.validate.first_nonfinite on device tensors (the check every save makes): one sum per
+    tensor, moved in one transfer per device; a bf16 tensor whose sum overflows but whose elements are
+    finite passes, a NaN in the last element of a large one is named. Mutants: the sum trusted alone
+    (the overflowing tensor named); only the first slice checked."""
+    from hpctrain.checkpoint.validate import FINITE_SLICE, first_nonfinite
+
+    big = torch.full((1 << 16,), 3e38, device="cuda", dtype=torch.bfloat16)  # finite; its sum is not
+    state = {"model": {"big": big, "w": torch.zeros(FINITE_SLICE + 5, device="cuda")},
+             "step": torch.tensor(3, device="cuda")}
+    assert first_nonfinite(state) is None
+    state["model"]["w"][-1] = float("nan")
+    assert first_nonfinite(state) == "model.w"
+
+
+def test_cuda_generators_are_restored_for_the_devices_this_process_sees():
+    """A checkpoint's per-rank RNG file names more CUDA devices than this process sees (a rank that saw
+    every GPU, resumed bound to one): the state check accepts it and the devices both have are restored.
+    Mutants: refusing a longer list (every checkpoint unusable); restoring none."""
+    from hpctrain.checkpoint import rng
+
+    saved = rng.capture()
+    expected = torch.rand(4, device="cuda")
+    saved["torch_cuda"] = saved["torch_cuda"] + saved["torch_cuda"][:1] * 8  # 8 more devices than here
+    assert rng.state_problem(saved) is None
+    torch.rand(100, device="cuda")
+    rng.restore(saved)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
