@@ -94,7 +94,7 @@ def trainer(cfg, rank: int):
         _SCRATCH.append(tempfile.mkdtemp(prefix="hpctrain-bench-"))
     run = tempfile.mkdtemp(prefix="run" if rank == 0 else f"rank{rank}-", dir=_SCRATCH[0])
     cfg.run.dir = run
-    return Trainer(cfg, run, torch.device("cpu"))
+    return Trainer.of(cfg, run, torch.device("cpu"))
 
 
 def rss_bytes() -> int:

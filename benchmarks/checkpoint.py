@@ -119,7 +119,7 @@ def measure_size(dim: int, a, out_dir: Path) -> dict:
                    "model.n_heads=8", "model.n_kv_heads=4", f"model.ffn_dim={4 * dim}", f"model.vocab_size={a.vocab}",
                    "data.seq_len=32", "train.global_batch=2", "train.micro_batch=1", "checkpoint.keep=1000",
                    f"checkpoint.threads={a.threads}", f"run.dir={run_dir}"])
-    t = Trainer(cfg, str(run_dir), torch.device("cpu"))
+    t = Trainer.of(cfg, str(run_dir), torch.device("cpu"))
     t.train_step()  # the optimizer state exists from the first step on
     pool = t.ckpt._io_pool()
     mine = run_dir / f"baseline-{rank}.bin"
@@ -233,7 +233,7 @@ def fixed_cost(a, out_dir: Path, saves: int = 12) -> dict:
     run_dir = out_dir / "tiny"
     cfg = compose(["+experiment=tiny", "launcher.nproc=2", f"checkpoint.threads={a.threads}", "checkpoint.keep=2",
                    f"run.dir={run_dir}"])
-    t = Trainer(cfg, str(run_dir), torch.device("cpu"))
+    t = Trainer.of(cfg, str(run_dir), torch.device("cpu"))
     t.train_step()
     times = []
     for i in range(saves + 2):

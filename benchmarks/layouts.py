@@ -257,11 +257,11 @@ def predicted(name: str, model: str) -> tuple[list[dict], dict]:
     n = LAYOUTS[name][0]
     cfg = compose(overrides(name, model))
     job = job_of(cfg, n)
-    lay = job.knobs.layout
+    lay = job.spec.layout
     per_stage = {s: stage_memory(job, s)[0] for s in range(lay.pp)}
     ranks = [per_stage[r // (n // lay.pp)] for r in range(n)]  # mesh order (pp, dp_rep, dp_shard, tp)
-    return ranks, {"layout": lay.describe(), "zero": job.knobs.zero, "microbatches": job.microbatches,
-                   "tokens_per_step": job.knobs.global_batch * job.knobs.seq_len}
+    return ranks, {"layout": lay.describe(), "zero": job.spec.zero, "microbatches": job.microbatches,
+                   "tokens_per_step": job.spec.global_batch * job.spec.seq_len}
 
 
 def summarize(name: str, model: str, runs: dict, skip: int, cores: int) -> dict:

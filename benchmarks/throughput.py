@@ -54,7 +54,7 @@ def worker(out: Path, steps: int) -> None:
     for parallel in ("ddp", "fsdp"):
         run = tmp / parallel
         run.mkdir()
-        t = Trainer(compose([*overrides(parallel), f"run.dir={run}"]), str(run), torch.device("cpu"))
+        t = Trainer.of(compose([*overrides(parallel), f"run.dir={run}"]), str(run), torch.device("cpu"))
         logger = MetricsLogger(run, steps, stream=open("/dev/null", "w")) if de.rank == 0 else None
         pre = Preemption()
 

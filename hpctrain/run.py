@@ -20,6 +20,7 @@ from hpctrain.core.compose import load
 from hpctrain.distributed import nccl
 from hpctrain.distributed.bootstrap import BootstrapError, detect, init
 from hpctrain.core.rundir import ECHOES, attempt_dir, layout_problem
+from hpctrain.core import rules
 from hpctrain.core.spec import backend_for, engine_spec
 from hpctrain.train.preempt import Preemption
 
@@ -53,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", problem)
         return 2
     spec = engine_spec(cfg, de.world)
-    if spec.layout.world != de.world:
-        log.error("the config's layout (%s) does not match the %d ranks %s started", spec.layout.describe(),
-                  de.world, de.launcher)
+    refused = rules.problems(spec)  # the login node's rule book, for a start it did not check (torchrun, mpiexec)
+    if refused:
+        log.error("the config cannot run on the %d ranks %s started: %s", de.world, de.launcher,
+                  "; ".join(p.message for p in refused))
         return 2
 
     # torch (also imported by the modules below) takes seconds: only after the preemption handler
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             watchdog.beat(0, "health")
             if not health.check(adir, device, cfg.launcher.health.slowdown).ok:
                 return health.EXIT_UNHEALTHY
-        outcome = Trainer(cfg, str(run_dir), device, spec).fit(preemption, watchdog)
+        outcome = Trainer(spec, str(run_dir), device).fit(preemption, watchdog)
         if de.rank == 0:
             log.info("%s at step %d", outcome.status, outcome.step)
     except (BootstrapError, NoUsableCheckpoint, SaveFailed) as e:

@@ -73,8 +73,8 @@ def _tp_share(p: torch.Tensor, tp_mesh) -> float:
 
 
 def probe(t: Trainer) -> dict:
-    record = {"reduce": set(), "gather": set(), "after_forward": 0, "n_reduce": 0, "n_gather": 0}
-    tp_mesh = t.meshes.world["tp"] if t.spec.layout.tp > 1 else None
+    record = {"reduce": set(), "scatter": set(), "gather": set(), "after_forward": 0, "n_reduce": 0, "n_gather": 0}
+    tp_mesh = t.meshes["tp"] if t.meshes.enabled("tp") else None
 
     rs, ag, ar = dist.reduce_scatter_single, dist.all_gather_single, dist.all_reduce
 
@@ -84,6 +84,7 @@ def probe(t: Trainer) -> dict:
 
     def reduce_scatter_single(output, input, *a, **kw):
         record["reduce"].add(str(input.dtype).replace("torch.", ""))
+        record["scatter"].add(str(input.dtype).replace("torch.", ""))  # FSDP2's gradients alone
         record["n_reduce"] += 1
         return rs(output, input, *a, **kw)
 
@@ -133,8 +134,9 @@ def probe(t: Trainer) -> dict:
     params = [p for q in t.parts for p in q.parameters()]
     moments = [v for st in inner.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
     return {"rank": dist.get_rank(), "dp_rank": t.dp_mesh.get_local_rank(), "dp": t.dp_mesh.size(),
-            "group": [t.meshes.world[d].get_local_rank() for d in ("pp", "tp")],
-            "matmul": sorted(mode.seen), "reduce": sorted(record["reduce"]), "gather": sorted(record["gather"]),
+            "group": [t.meshes[d].get_local_rank() for d in ("pp", "tp")],
+            "matmul": sorted(mode.seen), "reduce": sorted(record["reduce"]),
+            "scatter": sorted(record["scatter"]), "gather": sorted(record["gather"]),
             "after_forward": record["after_forward"], "has_output": model.output is not None,
             "n_reduce": record["n_reduce"], "n_gather": record["n_gather"], "microbatches": t.spec.microbatches,
             "units": _fsdp_units(t.parts), "blocks": len(model.layers),

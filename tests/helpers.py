@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The planner's calibration (published runs, their fit) lives beside the package: importable as `calibration`.
+CALIBRATION_ROOT = str(REPO / "benchmarks")
+if CALIBRATION_ROOT not in sys.path:
+    sys.path.append(CALIBRATION_ROOT)
 
 
 def run_cli(*overrides: str, timeout: float = 300, check: bool = True, env: dict | None = None,

@@ -26,7 +26,7 @@ def first_loss() -> None:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
         cfg = compose_once([*COMMON, "model=hf", f"model.init_from={path}", f"launcher.nproc={de.world}",
                             *spec.split()], run)
-        t = Trainer(cfg, run, torch.device("cpu"))
+        t = Trainer.of(cfg, run, torch.device("cpu"))
         t.resume(print)  # no checkpoint here: the weights come from model.init_from
         return [t.train_step()[0].item() for _ in range(2)]
 
@@ -40,7 +40,7 @@ def save_init() -> None:
     de = detect()
     init(de, "gloo", 120, 1)
     cfg = compose([*COMMON, f"launcher.nproc={de.world}", f"run.dir={run}", *layout.split()])
-    t = Trainer(cfg, run, torch.device("cpu"))
+    t = Trainer.of(cfg, run, torch.device("cpu"))
     t.save(blocking=True)  # step 0: the initial weights, sharded as this layout holds them
     t.ckpt.close()
     dist.destroy_process_group()

@@ -29,7 +29,7 @@ def main() -> None:
     def one(spec: str, d: str, de) -> dict:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
         cfg = compose_once([*COMMON, f"launcher.nproc={de.world}", f"train.steps={steps}", *spec.split()], run)
-        t = Trainer(cfg, run, torch.device("cpu"))
+        t = Trainer.of(cfg, run, torch.device("cpu"))
         t.resume(lambda *a: None)  # as fit() starts: model.init_from, model.lora.init_from (a fresh run dir)
         held = sorted(int(i) for part in t.parts for i in getattr(part, "module", part).layers.keys())
         blocks = [None] * de.world

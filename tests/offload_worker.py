@@ -63,7 +63,7 @@ def _param_sum(t: Trainer) -> float:
 
 
 def train(cfg, run: str, steps: int) -> dict:
-    t = Trainer(cfg, run, torch.device("cpu"))
+    t = Trainer.of(cfg, run, torch.device("cpu"))
     info = {**train_steps(t, steps), "param_sum": _param_sum(t)}
     opt = _plain(t.optimizer)
     if hasattr(opt, "host_bytes"):
@@ -75,9 +75,9 @@ def train(cfg, run: str, steps: int) -> dict:
 
 def resume(cfg_args: list[str], run: str, steps: int) -> dict:
     """One run that checkpoints every 2 steps, then one that resumes from step 2 in the same directory."""
-    first = Trainer(compose([*cfg_args, "checkpoint.every=2"]), run, torch.device("cpu"))
+    first = Trainer.of(compose([*cfg_args, "checkpoint.every=2"]), run, torch.device("cpu"))
     whole = first.fit()
-    second = Trainer(compose([*cfg_args, "checkpoint.every=2", "checkpoint.load_step=2"]), run,
+    second = Trainer.of(compose([*cfg_args, "checkpoint.every=2", "checkpoint.load_step=2"]), run,
                      torch.device("cpu"))
     out = second.fit()
     res = {"uninterrupted": whole.losses, "resumed": out.losses, "resumed_from": second.resumed_from,

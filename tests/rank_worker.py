@@ -59,7 +59,7 @@ def probe_trainers(common: list[str], probe: Callable[[Any], Any]) -> None:
     def one(spec: str, d: str, de) -> list:
         run = os.path.join(d, "run") if de.rank == 0 else os.path.join(d, "other")
         cfg = compose_once([*common, f"launcher.nproc={de.world}", *spec.split()], run)
-        mine = probe(Trainer(cfg, run, torch.device("cpu")))
+        mine = probe(Trainer.of(cfg, run, torch.device("cpu")))
         gathered = [None] * de.world
         dist.all_gather_object(gathered, mine)
         return gathered

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from hpctrain.bench import collectives as C
+from hpctrain.core import nccl_words as W
 from hpctrain.report import nccl_report as R
 from hpctrain.bench import sweep as S
 
@@ -59,10 +60,10 @@ def test_algbw_and_busbw():
 
 
 def test_sizes_and_element_counts():
-    assert C.parse_size("8") == 8 and C.parse_size("64K") == 65536 and C.parse_size("1G") == 1 << 30
-    assert C.parse_size("32MiB") == 32 << 20 and C.parse_size("1.5k") == 1536 and C.parse_size(4) == 4
+    assert W.parse_size("8") == 8 and W.parse_size("64K") == 65536 and W.parse_size("1G") == 1 << 30
+    assert W.parse_size("32MiB") == 32 << 20 and W.parse_size("1.5k") == 1536 and W.parse_size(4) == 4
     with pytest.raises(ValueError):
-        C.parse_size("lots")
+        W.parse_size("lots")
     assert C.sizes(8, 64, 2) == [8, 16, 32, 64]
     assert C.sizes(1024, 1 << 20, 4) == [1024, 4096, 16384, 65536, 262144, 1048576]
     assert len(C.sizes(8, 1 << 30, 2)) == 28  # nccl-tests -b 8 -e 1G -f 2
@@ -74,8 +75,8 @@ def test_sizes_and_element_counts():
     assert C.element_count("all_gather", 100, 4, 8) == 24
     assert C.element_count("all_reduce", 100, 4, 8) == 25
     assert C.element_count("reduce_scatter", 8, 4, 8) == 0
-    assert C.format_size(64 << 20) == "64MiB" and C.format_size(1536) == "1.5KiB" and C.format_size(8) == "8B"
-    assert C.parse_ops("all") == list(C.OPS)
+    assert W.format_size(64 << 20) == "64MiB" and W.format_size(1536) == "1.5KiB" and W.format_size(8) == "8B"
+    assert C.parse_ops("all") == list(W.OPS)
     with pytest.raises(ValueError, match="valid operations are all_reduce"):
         C.parse_ops("all_reduce,allgather")
 
@@ -214,11 +215,20 @@ def test_good_nccl_values_pass(tmp_path):
     ({"cluster": "dgx9000"}, "cluster: 'dgx9000' is not in conf/cluster/"),
     ({"nodez": [2]}, "unknown key(s) ['nodez']"),
     ({"grid": {"NCCL_PROTO": ["Simple", "LL1280"]}}, "grid.NCCL_PROTO"),
+    ({"grid": {"NCCL_PROTO": []}}, "grid.NCCL_PROTO: sweeps over no values"),
 ])
 def test_bad_sweeps_are_refused(tmp_path, over, needle):
     with pytest.raises(S.SweepConfigError) as e:
         S.build(_sweep(**over), tmp_path)
     assert needle in str(e.value), str(e.value)
+
+
+def test_a_sweep_larger_than_a_job_array_is_refused(tmp_path):
+    """One expansion for both kinds of sweep (hpctrain.launch.multirun.expand_axes), with one limit: the
+    elements of one job array, settings x node counts (here 101 with the baseline x 10). Mutant: the sweep's
+    own loops."""
+    with pytest.raises(S.SweepConfigError, match=r"1010 elements; at most 1000 \(Slurm's MaxArraySize\)"):
+        S.build(_sweep(settings={f"s{i}": {} for i in range(100)}, nodes=list(range(1, 11))), tmp_path)
 
 
 @pytest.mark.slow
@@ -249,6 +259,7 @@ def test_grid_and_node_counts_expand(tmp_path):
     sw = S.build(S.load("nccl_algo_proto", ["nodes=[1,2]"]), tmp_path)
     names = {Path(e.dir).name for e in sw.elements}
     assert len(sw.elements) == 7 * 2 and "algo-tree_proto-ll128_2n" in names and "default_1n" in names
+    assert [(e.setting, e.nodes) for e in sw.elements[:3]] == [("default", 1), ("default", 2), ("algo-ring_proto-simple", 1)]
     assert sw.tasks_per_node == 8 and sw.gpus_per_node == 8  # from conf/cluster/h100.yaml
     el = next(e for e in sw.elements if Path(e.dir).name == "algo-ring_proto-simple_1n")
     env = S.element_env(el, {"PATH": "/bin", "NCCL_ALGO": "Tree", "NCCL_DEBUG": "INFO"})

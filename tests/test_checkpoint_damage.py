@@ -31,7 +31,7 @@ def world_of_one():
 def trainer(run_dir: Path, *overrides: str) -> Trainer:
     cfg = compose([*BASE, f"run.dir={run_dir}", *overrides])
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, str(run_dir), torch.device("cpu"))
+    return Trainer.of(cfg, str(run_dir), torch.device("cpu"))
 
 
 @pytest.fixture

@@ -293,7 +293,7 @@ def _trainer(run_dir: Path, *overrides: str):
     from hpctrain.train.loop import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(compose([*BASE, f"run.dir={run_dir}", *overrides]), str(run_dir), torch.device("cpu"))
+    return Trainer.of(compose([*BASE, f"run.dir={run_dir}", *overrides]), str(run_dir), torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

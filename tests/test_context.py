@@ -35,12 +35,12 @@ def test_chunked_attention_equals_sdpa_with_the_same_mask(monkeypatch, seq, bloc
     a pair's own lse instead of the merged one; in the matmul path (what runs off the CPU) grouped heads'
     gradients not summed back, the rowsum(dout * out) term dropped."""
     monkeypatch.setattr(A, "LOCAL_BLOCK", block)
-    monkeypatch.setattr(A, "MATH", math)
+    pairs = A.MathPairs if math else A.FlashPairs
     gen = torch.Generator().manual_seed(seq + block)
     q = torch.randn(2, 4, seq, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, 2, seq, 8, generator=gen, requires_grad=True) for _ in range(2))
     docs = torch.cumsum((torch.rand(2, seq, generator=gen) < p_end).long(), 1)
-    got, want = A.causal_attention(q, k, v, docs), masked_sdpa(q, k, v, docs)
+    got, want = A.causal_attention(q, k, v, docs, pairs=pairs), masked_sdpa(q, k, v, docs)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     g = torch.randn(got.shape, generator=gen)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
@@ -205,12 +205,12 @@ def test_128k_presets_plan_as_feasible_on_h100(experiment):
     cfg = compose([f"+experiment={experiment}"])
     check(cfg)
     job = job_of(cfg)
-    assert job.knobs.layout.cp == 8 and job.knobs.seq_len == 131072
+    assert job.spec.layout.cp == 8 and job.spec.seq_len == 131072
     mem = memory(job)
     assert mem.fits, mem.problems
     t = throughput(job)
     assert t.breakdown["cp_exposed"] > 0 and 0.2 < t.mfu < 0.6
-    lay = job.knobs.layout
+    lay = job.spec.layout
     whole = memory(job.with_(layout=replace(lay, cp=1, dp_shard=lay.dp_shard * lay.cp)))
     assert whole.device["activations"] == pytest.approx(8 * mem.device["activations"])
     assert not whole.fits or experiment != "llama31_8b_128k"  # 8B: only cp makes 128K fit one node
@@ -232,7 +232,7 @@ def test_planner_prices_cp_traffic_and_the_masked_attention():
     job = job_of(compose(["+experiment=llama31_70b_128k"]))
     ring, gather = job.with_(cp_attention="ring"), job.with_(cp_attention="allgather")
     assert 0 < throughput(ring).breakdown["cp_exposed"] < throughput(gather).breakdown["cp_exposed"]
-    lay = job.knobs.layout
+    lay = job.spec.layout
     cp1 = job.with_(layout=replace(lay, cp=1, dp_shard=lay.dp_shard * lay.cp))
     assert activations(cp1, 0)["activations"] == pytest.approx(8 * activations(job, 0)["activations"])
 
@@ -264,7 +264,7 @@ def test_auto_searches_expert_with_context_parallel_and_the_experts_shard_over_c
         return sum(memory(j).device.get(k, 0.0) for k in ("params", "grads", "master", "moments"))
 
     job = job_of(compose(["+experiment=mixtral_8x7b", "data.seq_len=32768", "parallel.zero=3"]))
-    assert any(j.knobs.layout.ep > 1 and j.knobs.layout.cp > 1 for j in jobs(job, Space(acs=("full",), micro_batches=(1,))))
-    lay = job.knobs.layout  # dp_shard 64, ep 8
+    assert any(j.spec.layout.ep > 1 and j.spec.layout.cp > 1 for j in jobs(job, Space(acs=("full",), micro_batches=(1,))))
+    lay = job.spec.layout  # dp_shard 64, ep 8
     with_cp = job.with_(layout=replace(lay, dp_shard=lay.dp_shard // 2, cp=2))
     assert model_state_bytes(with_cp) == pytest.approx(model_state_bytes(job))

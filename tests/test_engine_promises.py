@@ -13,6 +13,7 @@ precision contract of the README, not from hpctrain's code:
 | 3 | 1/dp | 1/dp | only the units in use gathered: the rest 1/dp (not under pp: gathered once per step) |
 
 bf16: every matmul in bf16; gradients reduced in fp32; fp32 moments. fp32: everything fp32.
+train.reduce_precision=bf16 (FSDP2): gradients reduced in bf16, kept in fp32 (torch's MixedPrecisionPolicy).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ PRECISIONS = ("fp32", "bf16")
 # optimizer sharded by parameter owner).
 SHAPES = {
     2: [("plain", "", (0, 1, 2, 3)), ("step", "parallel.grad_sync=step", (2, 3)),
+        ("reduce_bf16", "train.reduce_precision=bf16", (2, 3)),
         ("tp2", "parallel.tp=2 parallel.dp_shard=1", (0, 1)),
         ("pp2", "parallel.pp=2 parallel.dp_shard=1", (0, 1))],
     4: [("tp2", "parallel.tp=2 parallel.dp_shard=2", (0, 1, 2, 3)),
@@ -77,7 +79,11 @@ def test_stage_and_precision_promises(probed, world, shape, layout, zero, precis
         # Dtypes: matmuls in the compute precision, gradients reduced and kept in fp32.
         assert r["matmul"] == [{"fp32": "float32", "bf16": "bfloat16"}[precision]], r["matmul"]
         assert r["grad_dtypes"] == ["float32"]
-        if r["dp"] > 1:
+        if r["dp"] > 1 and shape == "reduce_bf16":
+            # FSDP2 reduce-scatters the gradients in bf16; the loss's and the norm's all-reduces stay fp32
+            # (mutant caught: the engine ignoring spec.dtypes.reduce, its reduce-scatters then fp32)
+            assert r["scatter"] == ["bfloat16"] and r["reduce"] == ["bfloat16", "float32"], r["reduce"]
+        elif r["dp"] > 1:
             assert r["reduce"] == ["float32"], r["reduce"]
         if zero >= 2 and r["dp"] > 1:
             assert r["gather"] == [{"fp32": "float32", "bf16": "bfloat16"}[precision]], r["gather"]

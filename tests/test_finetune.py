@@ -342,7 +342,7 @@ def lora_run(world_of_one, example_corpus, tmp_path_factory):
     base = hf_dir(compose(common), d / "base")
     as_published(base, example_corpus, d)
     cfg = compose([*common, f"model.init_from={base}", "train.steps=3", "checkpoint.every=3", f"run.dir={d / 'run'}"])
-    t = Trainer(cfg, str(d / "run"), torch.device("cpu"))
+    t = Trainer.of(cfg, str(d / "run"), torch.device("cpu"))
     t.fit()
     x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -472,14 +472,14 @@ def test_a_peft_adapter_is_imported_to_continue(lora_run, tmp_path):
     export_peft(lora_run["step"], adapter)
     cfg = compose([*lora_run["common"], f"model.init_from={lora_run['base']}", f"model.lora.init_from={adapter}",
                    "train.steps=1", f"run.dir={tmp_path / 'run'}"])
-    t = Trainer(cfg, str(tmp_path / "run"), torch.device("cpu"))
+    t = Trainer.of(cfg, str(tmp_path / "run"), torch.device("cpu"))
     t.resume(lambda *a: None)
     with torch.no_grad():
         torch.testing.assert_close(t.parts[0](lora_run["x"]), lora_run["logits"], rtol=1e-5, atol=1e-5)
     bad = compose([*lora_run["common"], "model.lora.rank=8", f"model.lora.init_from={adapter}",
                    f"run.dir={tmp_path / 'run2'}"])
     with pytest.raises(AdapterError, match="has rank 4 and alpha 8.0, the run asks for model.lora.rank=8"):
-        Trainer(bad, str(tmp_path / "run2"), torch.device("cpu")).resume(lambda *a: None)
+        Trainer.of(bad, str(tmp_path / "run2"), torch.device("cpu")).resume(lambda *a: None)
 
 
 def test_frozen_weights_have_no_gradients_or_optimizer_state(lora_run):
@@ -602,7 +602,7 @@ def test_a_lora_run_resumes_as_if_never_stopped(world_of_one, tmp_path):
               "optim.warmup_steps=0", "model.lora.rank=4", "model.lora.alpha=8", "checkpoint.every=0"]
 
     def trainer(d):
-        return Trainer(compose([*common, f"run.dir={d}"]), str(d), torch.device("cpu"))
+        return Trainer.of(compose([*common, f"run.dir={d}"]), str(d), torch.device("cpu"))
 
     full = trainer(tmp_path / "full").fit().losses
     first = trainer(tmp_path / "stopped")

@@ -157,7 +157,8 @@ def test_moe_training_with_the_nccl_all_to_all_dispatcher(tmp_path):
 
     from hpctrain.core.schema import ModelConfig, MoEConfig
     from hpctrain.models.moe import MoE
-    from hpctrain.parallel.expert import AllToAll
+    from hpctrain.models.dispatch import LocalDispatcher
+    from hpctrain.parallel.dispatch import AllToAllDispatcher
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("HPCTRAIN_TEST_PORT", "29533"))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
@@ -170,7 +171,7 @@ def test_moe_training_with_the_nccl_all_to_all_dispatcher(tmp_path):
             layer.router.bias.zero_()
         x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
         outs, grads = [], []
-        for dispatcher in (None, AllToAll(dist.group.WORLD, 8)):
+        for dispatcher in (LocalDispatcher(), AllToAllDispatcher(dist.group.WORLD, 8)):
             layer.dispatcher = dispatcher
             layer.zero_grad(set_to_none=True)
             y = layer(x)

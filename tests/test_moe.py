@@ -193,11 +193,11 @@ def test_router_bias_is_checkpointed_state():
 
 def test_router_stats_count_a_recomputed_forward_once():
     """Activation checkpointing reruns the forward in backward; the step's load counts it once."""
-    from torch.utils.checkpoint import checkpoint
+    from hpctrain.parallel.activation import checkpointed
 
     layer = _moe()
     x = torch.randn(1, 16, 32, requires_grad=True)
-    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    checkpointed(layer)(x).sum().backward()
     assert layer.stats.passes == 1 and layer.stats.load.sum().item() == 16 * 2
 
 
@@ -515,8 +515,8 @@ def test_published_moe_models_plan_as_feasible_on_h100(experiment):
     # the same layout without it.
     from hpctrain.plan.memory import stage_params
 
-    split, whole = stage_params(job, 0), stage_params(job.with_(layout=replace(job.knobs.layout, ep=1)), 0)
-    assert whole.total - split.total == pytest.approx(whole.experts * (1 - 1 / job.knobs.layout.ep))
+    split, whole = stage_params(job, 0), stage_params(job.with_(layout=replace(job.spec.layout, ep=1)), 0)
+    assert whole.total - split.total == pytest.approx(whole.experts * (1 - 1 / job.spec.layout.ep))
 
 
 def test_planner_moe_terms_follow_the_layout():
@@ -526,7 +526,7 @@ def test_planner_moe_terms_follow_the_layout():
     from hpctrain.plan.throughput import throughput
 
     base = job_of(compose(["+experiment=mixtral_8x7b"]))
-    one = base.with_(layout=replace(base.knobs.layout, ep=1))
+    one = base.with_(layout=replace(base.spec.layout, ep=1))
     assert memory(base).device["params"] < memory(one).device["params"]
     assert "ep_exposed" not in throughput(one).breakdown and throughput(base).breakdown["ep_exposed"] > 0
     skewed = base.with_(model=replace(base.model, moe=replace(base.model.moe, imbalance=1.5)))

@@ -30,7 +30,7 @@ BASE = ("+experiment=tiny", "launcher.nproc=1", "train.global_batch=4", "train.m
 def trainer(run_dir: Path, *overrides: str) -> Trainer:
     cfg = compose([*BASE, f"run.dir={run_dir}", *overrides])
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, str(run_dir), torch.device("cpu"))
+    return Trainer.of(cfg, str(run_dir), torch.device("cpu"))
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -265,7 +265,7 @@ def _trainer(run_dir: Path, *overrides: str):
 
     cfg = compose([*BASE, f"run.dir={run_dir}", *overrides])
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, str(run_dir), torch.device("cpu"))
+    return Trainer.of(cfg, str(run_dir), torch.device("cpu"))
 
 
 def _snapshot(opt) -> dict:

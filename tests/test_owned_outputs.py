@@ -423,7 +423,7 @@ def test_the_example_corpus_refuses_a_directory_with_the_users_files(tmp_path, c
 # ------------------------------------------------------------------------- the planner's single files
 
 def test_the_planners_files_are_written_over_only_when_they_are_its_own(tmp_path, capsys):
-    """`python -m hpctrain.plan ... --png/--json PATH` and `--published --png PATH`: a file the user has
+    """`python -m hpctrain.plan ... --png/--json PATH` and `python benchmarks/calibration --png PATH`: a file the user has
     there (any PNG or JSON, or another file) is refused before any work and left byte for byte; the
     planner's own earlier plot or plan.json (they say so inside) is replaced. Mutants: no check (the
     user's picture overwritten); the mark not written or not read (the planner's own file refused)."""
@@ -432,7 +432,9 @@ def test_the_planners_files_are_written_over_only_when_they_are_its_own(tmp_path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hpctrain.plan import published_moe, published_plot
+    import helpers  # noqa: F401  (the calibration, beside the package)
+    from calibration import published_moe, published_plot
+    from calibration.__main__ import main as calibration_main
     from hpctrain.plan.__main__ import main
     from hpctrain.plan.verdict import TOOL
 
@@ -443,7 +445,7 @@ def test_the_planners_files_are_written_over_only_when_they_are_its_own(tmp_path
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": true}')
     before = theirs.read_bytes(), notes.read_bytes()
-    assert main(["--published", "--png", str(theirs)]) == 2
+    assert calibration_main(["--png", str(theirs)]) == 2
     assert "holiday.png exists and was not written by hpctrain.plan" in capsys.readouterr().err
     assert main(["+experiment=tiny", "--json", str(notes)]) == 2
     assert "notes.json exists and was not written by hpctrain.plan" in capsys.readouterr().err

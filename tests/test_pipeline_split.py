@@ -183,7 +183,7 @@ def test_layers_need_not_divide_into_stages_for_parallel_auto():
     for v in (2, 4):
         assert not layout_problems(job.with_(schedule="interleaved_1f1b", virtual_stages=v))
     res = search(job, Space(zeros=(3,), offloads=("none",), acs=("full",), micro_batches=(1,)))
-    assert {c.job.knobs.layout.pp for c in res.ranked} >= {16, 32}, sorted({c.job.knobs.layout.pp for c in res.ranked})
+    assert {c.job.spec.layout.pp for c in res.ranked} >= {16, 32}, sorted({c.job.spec.layout.pp for c in res.ranked})
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ def test_70b_weights_and_adam_state():
 
 
 def test_zero_stages_shrink_device_memory(job8):
-    assert job8.knobs.layout.dp == 8
+    assert job8.spec.layout.dp == 8
     totals = [memory(job8.with_(zero=z)).device_total for z in (0, 1, 2, 3)]
     assert totals[0] > totals[1] > totals[2] > totals[3], [t / GiB for t in totals]
     # What each stage shards, per parameter on this rank: 12 -> 12/8, then grads, then params.
@@ -75,7 +75,7 @@ def test_offload_moves_optimizer_state_off_device(job8):
     for m in (cpu, nvme):
         assert "master" not in m.device and "moments" not in m.device
     p = param_counts(job8.model)["total"]
-    assert job8.knobs.layout.tp == 1 and job8.zero_group == 8
+    assert job8.spec.layout.tp == 1 and job8.zero_group == 8
     # FSDP2 with offload (tp=1) keeps the fp32 parameter and gradient shards on the host too: the device
     # sheds master + moments (12P/8) and its bf16 parameter and gradient shards (4P/8) ...
     assert on.device_total - cpu.device_total == pytest.approx(16 * p / 8, rel=1e-6)
@@ -270,7 +270,7 @@ def test_search_refuses_pipelines_with_fewer_micro_batches_than_stages(job8):
     enough = few.with_(micro_batch=1)
     assert enough.microbatches >= 4 and "micro-batches < pp" not in [r for r, _ in layout_problems(enough)]
     res = search(job8, Space(zeros=(1,), micro_batches=(1, 8)))
-    assert all(c.job.microbatches >= c.job.knobs.layout.pp for c in res.ranked)
+    assert all(c.job.microbatches >= c.job.spec.layout.pp for c in res.ranked)
 
 
 def test_calibration_against_megatron_h100(h100):
@@ -287,7 +287,7 @@ def test_calibration_against_megatron_h100(h100):
 def test_step_time_parts(job8):
     t = throughput(job8)
     assert sum(t.breakdown.values()) == pytest.approx(t.step_time_s)
-    assert t.tokens_per_s == pytest.approx(job8.knobs.global_batch * job8.knobs.seq_len / t.step_time_s)
+    assert t.tokens_per_s == pytest.approx(job8.spec.global_batch * job8.spec.seq_len / t.step_time_s)
     assert 0 < t.mfu < 1 and t.tflops_per_gpu == pytest.approx(t.mfu * job8.cluster.peak_tflops)
     # Full recompute costs about a third more compute, less the block's last linear (w2: 27% of a
     # 70B block's matmuls), which torch's checkpoint does not rerun; none costs nothing.
@@ -326,7 +326,7 @@ def test_zero1_is_priced_as_each_engine_runs_it(job8):
     from hpctrain.plan.throughput import HPCTRAIN, MEGATRON
 
     p = param_counts(job8.model)["total"]
-    for lay in (job8.knobs.layout, Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2)):
+    for lay in (job8.spec.layout, Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2)):
         job = job8.with_(layout=lay, zero=1, ac="none")
         mine = throughput(job, HPCTRAIN)
         by = {(c["dim"], c["op"]): c for c in mine.collectives}
@@ -429,7 +429,7 @@ def test_nearest_layouts_that_fit(job70):
     ddp = job70.with_(zero=0)
     near = nearest(ddp, res.ranked)
     assert near and all(c.fits for c in near)
-    assert near[0].job.knobs.layout.tp == ddp.knobs.layout.tp  # one knob away: the ZeRO stage
+    assert near[0].job.spec.layout.tp == ddp.spec.layout.tp  # one knob away: the ZeRO stage
 
 
 # --- outputs --------------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def test_hardware_flops_add_the_recomputed_forward():
                         (["parallel.ac=none"], ["parallel.ac=full"], ["parallel.ac=selective", "parallel.ac_every=2"]))
     t = throughput(none)
     assert t.hw_tflops_per_gpu == pytest.approx(t.tflops_per_gpu)
-    m, s = full.model, full.knobs.seq_len
+    m, s = full.model, full.spec.seq_len
     attn = 2 * m.n_layers * m.dim * s  # the forward's attention scores per token, over the causal half
     model = 6 * (param_counts(m)["total"] - m.vocab_size * m.dim) + 3 * attn
     for sw, rerun in ((MEGATRON, 2 * param_counts(m)["blocks"] + attn),
@@ -612,13 +612,13 @@ def test_a_document_masked_plan_counts_the_flops_it_computes():
 
     job = job_of(compose(MASKED_128K))
     t = throughput(job)
-    m, s, L = job.model, job.knobs.seq_len, 2048
+    m, s, L = job.model, job.spec.seq_len, 2048
     kept = (2 * L / s) * (1 - (L / s) * (1 - math.exp(-s / L)))
     c = param_counts(m)
     matmuls = 6 * (c["total"] - c["embedding"])  # untied: the output projection is a matmul, the lookup is not
     attention = 3 * 2 * 2 * m.n_layers * m.n_heads * (m.dim // m.n_heads) * (s / 2) * kept
     counted = t.tflops_per_gpu * 1e12 * t.step_time_s * job.world
-    assert counted == pytest.approx((matmuls + attention) * job.knobs.global_batch * s, rel=1e-9)
+    assert counted == pytest.approx((matmuls + attention) * job.spec.global_batch * s, rel=1e-9)
     assert 0.05 < t.mfu <= 1.0
     assert "the causal half x the 3.1% the document mask keeps" in summary(plan(job))
 
@@ -629,12 +629,13 @@ def test_the_megatron_count_is_narayanan_eq3():
     forward counted), and the same without the recompute forward (72 for the blocks, as Megatron-LM r0.8
     logs it for its README's tables), computed here from their Table 1's GPT 1.7B row. Mutants caught: the causal half in
     Megatron's count, eq. (3) without its recompute term, the logits recomputed too."""
-    from hpctrain.plan import published as P
+    import helpers  # noqa: F401  (the calibration, beside the package)
+    from calibration import published as P
     from hpctrain.plan.throughput import megatron_flops_per_token
 
     row = next(p for p in P.load() if p.row["source"] == "narayanan2021_table1" and p.row["model"] == "GPT 1.7B")
     job = row.candidates[0]
-    m, s = job.model, job.knobs.seq_len
+    m, s = job.model, job.spec.seq_len
     h, l, v = 2304, 24, 51200
     assert (m.dim, m.n_layers, m.vocab_size, s) == (h, l, v, 2048)
     eq3 = 96 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / s  # per token (B s tokens an iteration)
@@ -688,4 +689,4 @@ def test_masked_context_parallel_on_cuda_is_refused_not_priced():
     job = job_of(cfg)
     res = search(job, Space(zeros=(3,), offloads=("none",), acs=("full",), micro_batches=(1,)))
     assert res.failures["cp on CUDA with hpctrain's kernel (unpriced)"] > 0
-    assert all(c.job.knobs.layout.cp == 1 for c in res.ranked)
+    assert all(c.job.spec.layout.cp == 1 for c in res.ranked)

@@ -57,7 +57,7 @@ def test_the_plan_png_shows_fit_and_speed_with_the_limit_inside_the_frame(search
     assert [round(p.get_height()) for p in speed.patches] == [round(p.time.tokens_per_s) for _, p in plans]
     labels = [t.get_text() for t in mem.get_xticklabels()]
     assert len(set(labels)) == len(plans)
-    assert all(("offload cpu" in label) == (p.job.knobs.offload == "cpu") for label, (_, p) in zip(labels, plans))
+    assert all(("offload cpu" in label) == (p.job.spec.offload == "cpu") for label, (_, p) in zip(labels, plans))
     plt.close("all")
 
 
@@ -82,7 +82,7 @@ def test_the_table_and_the_plot_tell_ep_and_cp_apart():
         return Candidate(job=job, problems=[], memory=memory(job), time=throughput(job))
 
     moe = job_of(compose(["model=qwen3_30b_a3b", "cluster=h100", "cluster.nodes=2", "launcher=sbatch"]))
-    lay = moe.knobs.layout
+    lay = moe.spec.layout
     long = job_of(compose(["+experiment=llama31_8b_128k"]))
     cands = [candidate(moe.with_(layout=replace(lay, ep=e))) for e in (1, 8)] + [candidate(long)]
     head, *rows = table(cands).splitlines()

@@ -158,7 +158,7 @@ def test_fit_preempted_inside_the_window_then_resumed(world_of_one, tmp_path):
         cfg = compose([TINY, "launcher.nproc=1", "train.global_batch=4", "train.micro_batch=2", "data.seq_len=16",
                        "train.steps=6", "checkpoint.every=0", "profile.steps=[2,5]", "profile.memory=true",
                        f"run.dir={tmp_path}"])
-        return Trainer(cfg, str(tmp_path), torch.device("cpu"))
+        return Trainer.of(cfg, str(tmp_path), torch.device("cpu"))
 
     t = trainer()
     first = t.fit(StopAt(3, t))

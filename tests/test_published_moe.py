@@ -1,7 +1,7 @@
-"""The planner's MoE terms against published Mixture-of-Experts training runs (hpctrain/plan/
+"""The planner's MoE terms against published Mixture-of-Experts training runs (benchmarks/calibration/
 published_moe.csv, sources in docs/published_runs.md). Megatron-Core's Mixtral 8x7B rows were set aside
 to fit cluster.grouped_gemm_efficiency, every Qwen3-235B-A22B row is held out (decided in
-hpctrain.plan.published_moe before any fit); the fit saturated (docs/moe.md), so nothing is fitted and
+calibration.published_moe before any fit); the fit saturated (docs/moe.md), so nothing is fitted and
 the held-out rows are priced with the presets as they are.
 `python -m pytest -s tests/test_published_moe.py` prints the table."""
 from __future__ import annotations
@@ -12,7 +12,9 @@ import pytest
 
 from hpctrain.core.compose import compose
 from hpctrain.plan import moe as plan_moe
-from hpctrain.plan.published_moe import load, megatron_moe_flops, predict
+
+import helpers  # noqa: F401  (puts the calibration, beside the package, on the path)
+from calibration.published_moe import load, megatron_moe_flops, predict  # noqa: E402
 
 # Held-out rows outside 15% today, by their layout and the TFLOP/s they published and their layout, and why; the test fails
 # when another row leaves 15% (or one of these comes back inside: then drop it from here).
@@ -64,12 +66,12 @@ def test_without_the_tensor_parallel_token_split_it_fails(rows, monkeypatch):
 
 
 def test_the_table_and_the_picture_show_each_held_out_row(rows, monkeypatch, tmp_path):
-    """`python -m hpctrain.plan --published [--png]`'s MoE part. Mutants: fit and held-out rows mixed in
+    """`python benchmarks/calibration [--png PATH]`'s MoE part. Mutants: fit and held-out rows mixed in
     the table's groups or the picture's series; the picture's axes swapped (published on y); the band drawn
     at another width; the median taken over signed errors."""
     import matplotlib.pyplot as plt
 
-    from hpctrain.plan import published_moe, published_plot
+    from calibration import published_moe, published_plot
 
     held = [r for r in rows if not r.skip and not r.fit]
     errors = [predict(r) / r.tokens - 1 for r in held]

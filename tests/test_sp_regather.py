@@ -59,7 +59,7 @@ def test_the_embeddings_second_gradient_under_tp_is_what_the_planner_prices(pipe
     from regather_probe import COMMON
 
     job = job_of(compose([*COMMON, "launcher.nproc=4", *PIPELINED.split(), PIPELINED_DDP]), 4)
-    assert job.spec.data_parallel == "ddp" and job.knobs.layout.tp == 2 and job.microbatches == 4
+    assert job.spec.data_parallel == "ddp" and job.spec.layout.tp == 2 and job.microbatches == 4
     want = accumulation_transient(job, stage_params(job, 0), 0.0)
     first_stage = [r for r in pipelined[2] if r["embedding_accumulation"] is not None]
     assert len(first_stage) == 2  # the two TP ranks of the first stage
@@ -136,7 +136,7 @@ def test_a_block_keeps_what_the_planner_says(measured):
     for tag in ("dp", True, False):
         per_block = [(b["forward"] - a["forward"]) / 2 for a, b in zip(measured[2, tag], measured[4, tag])]
         job = job_of(compose([*COMMON, "launcher.nproc=2", *LAYOUTS[4, tag].split()]))
-        pred = layer_activation_bytes(job.model, 8 * 1024, job.knobs.layout.tp, job.knobs.precision, job.spec.sp_regather)
+        pred = layer_activation_bytes(job.model, 8 * 1024, job.spec.layout.tp, job.spec.precision, job.spec.sp_regather)
         print(f"\nper block, {tag}: measured/predicted", [round(x / pred, 4) for x in per_block])
         for x in per_block:
             assert x == pytest.approx(pred, rel=0.03), (tag, per_block, pred)

@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "hpctrain"
+# The planner's calibration (published runs, their fit and picture): research code beside the package,
+# imported as `calibration` with benchmarks/ on sys.path. The package reads only what the fit writes
+# (conf/cluster/<kind>.yaml), never the code or its tables.
+CALIBRATION = PKG.parent / "benchmarks" / "calibration"
+OUTSIDE = ("calibration", "benchmarks")  # the top-level names code beside the package is imported by
 
 # Module (or package prefix) -> tier. The first matching prefix wins.
 TIERS = [
@@ -18,12 +23,12 @@ TIERS = [
     ("hpctrain.core", "foundation"), ("hpctrain.data", "foundation"),
     # the login node: compose -> check -> plan -> launch, and the reports people read
     ("hpctrain.__main__", "login"), ("hpctrain.checks", "login"), ("hpctrain.plan", "login"),
-    ("hpctrain.launch", "login"), ("hpctrain.report.nccl_report", "tools"), ("hpctrain.report", "login"),
+    ("hpctrain.launch", "login"), ("hpctrain.report", "login"),
     # every rank
     ("hpctrain.run", "runtime"), ("hpctrain.train", "runtime"), ("hpctrain.distributed", "runtime"),
     ("hpctrain.parallel", "runtime"), ("hpctrain.models", "runtime"), ("hpctrain.checkpoint", "runtime"),
     ("hpctrain.offload", "runtime"),
-    # tools on top of both: the collectives benchmark and its report
+    # tools on top of both: the collectives benchmark and its sweeps (their report is a login-node one)
     ("hpctrain.bench", "tools"),
 ]
 ALLOWED = {"foundation": {"foundation"}, "login": {"foundation", "login"},
@@ -149,8 +154,21 @@ def test_login_tier_and_foundation_never_import_torch(t):
     assert not bad, bad
 
 
+def test_the_package_never_imports_its_calibration():
+    bad = [f"{module_name(p)} imports {m}" for p in PKG.rglob("*.py") for m in imports(p) if m.split(".")[0] in OUTSIDE]
+    assert not bad, f"the package imports code from beside it: {bad}"
+
+
+def test_the_calibration_lives_beside_the_package():
+    moved = {p.name for p in CALIBRATION.iterdir() if not p.name.startswith(("__", "."))}
+    assert {"published.py", "fit.py", "published.csv"} <= moved
+    back = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*") if p.name in moved)
+    assert not back, f"the calibration's files in the package: {back}"
+
+
 def test_the_rules_can_fail(tmp_path, monkeypatch):
-    """The checks above see a violation when there is one: a cycle and an upward import."""
+    """The checks above see a violation when there is one: a cycle, an upward import, the calibration
+    imported or put back into the package."""
     fake = tmp_path / "hpctrain"
     (fake / "plan").mkdir(parents=True)
     (fake / "train").mkdir()
@@ -159,6 +177,7 @@ def test_the_rules_can_fail(tmp_path, monkeypatch):
     (fake / "spec.py").write_text("from hpctrain.plan import a\n")
     (fake / "plan" / "a.py").write_text("import torch\nfrom hpctrain import spec\nfrom hpctrain.train import b\n")
     (fake / "train" / "b.py").write_text("def f():\n    from hpctrain.plan.a import x\n")
+    (fake / "plan" / "published.py").write_text("from calibration import fit\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     with pytest.raises(AssertionError, match="import cycles"):
         test_no_import_cycles()
@@ -166,3 +185,7 @@ def test_the_rules_can_fail(tmp_path, monkeypatch):
         test_tiers_import_only_downwards()
     with pytest.raises(AssertionError, match="hpctrain.plan.a imports torch"):
         test_login_tier_and_foundation_never_import_torch("login")
+    with pytest.raises(AssertionError, match="hpctrain.plan.published imports calibration"):
+        test_the_package_never_imports_its_calibration()
+    with pytest.raises(AssertionError, match="hpctrain/plan/published.py"):
+        test_the_calibration_lives_beside_the_package()

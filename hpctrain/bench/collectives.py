@@ -34,7 +34,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -42,11 +41,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from hpctrain.core import faults
+from hpctrain.core.nccl_words import OPS, format_size, parse_size
 from hpctrain.core.spec import backend_for
 from hpctrain.distributed import bootstrap
 from hpctrain.launch import local
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 # Operations whose buffer is split in `world` equal chunks: size is rounded to a multiple of world.
 SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all")
 DTYPES = {  # name -> (torch attribute, bytes, largest integer every value up to is exact)
@@ -93,30 +92,6 @@ def busbw(op: str, nbytes: float, seconds: float, world: int) -> float:
     return algbw(nbytes, seconds) * bus_factor(op, world)
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """'8', '64K', '64KiB', '1M', '1G', '1.5GB' -> bytes; K/M/G/T are powers of 1024 (nccl-tests' -b/-e)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size: write e.g. 8, 64K, 32M, 1G")
-    scale = 1024 ** ("kmgt".index(m.group(2).lower()) + 1) if m.group(2) else 1
-    return int(float(m.group(1)) * scale)
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f}{unit}"
-    return f"{nbytes}B"
-
-
 def sizes(min_bytes: int, max_bytes: int, factor: float = 2) -> list[int]:
     """min, min*factor, ... up to max inclusive (nccl-tests -b -e -f)."""
     if min_bytes < 1 or max_bytes < min_bytes:
@@ -160,7 +135,7 @@ PERIOD = 251  # prime: chunks of different ranks never line up by accident
 
 
 def _fill(t, base, offset: int = 0) -> None:
-    # torch: bench.sweep and report.nccl_report import this module on the login node
+    # torch: bench.sweep imports this module on the login node
     import torch
 
     p = base.numel()
@@ -218,7 +193,7 @@ def _reduce_patterns(r: int, world: int, exact_limit: int) -> tuple[list[int], l
 class Bench:
     def __init__(self, ops: Sequence[str], size_list: Sequence[int], dtype: str, warmup: int, iters: int,
                  device, backend: str, repeats: int = 1):
-        # torch: bench.sweep and report.nccl_report import this module on the login node
+        # torch: bench.sweep imports this module on the login node
         import torch
         import torch.distributed as dist
 
@@ -523,7 +498,7 @@ def _drop_option(argv: list[str], name: str) -> list[str]:
 
 
 def _run(a, ops, min_b, max_b, out_dir: Path, de) -> int:
-    # torch: bench.sweep and report.nccl_report import this module on the login node
+    # torch: bench.sweep imports this module on the login node
     import torch
     import torch.distributed as dist
 

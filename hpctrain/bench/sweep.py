@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import difflib
-import itertools
 import json
 import os
 import re
@@ -46,8 +45,9 @@ from omegaconf import OmegaConf
 
 from hpctrain.bench import collectives as C
 from hpctrain.core.compose import ConfigError, compose, conf_dir
-from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
+from hpctrain.core.nccl_words import parse_size
 from hpctrain.core.spec import ranks_per_node
+from hpctrain.launch.allocation import allocation, sbatch_lines, submitit_parameters
 from hpctrain.report import nccl_report as report
 
 
@@ -314,6 +314,19 @@ def _cluster(name: str | None, overrides: dict):
     return OmegaConf.to_object(cluster)
 
 
+def _expand(axes: Sequence[tuple[str, Sequence]]) -> list[list]:
+    """The elements of `axes` as `python -m hpctrain -m` expands its sweeps (one order, one limit: a job
+    array's size), refused as this sweep's errors."""
+    # heavy: the multirun module brings Hydra's override grammar and the planner (~0.3 s), only when a
+    # sweep is built
+    from hpctrain.launch.multirun import expand_axes
+
+    try:
+        return expand_axes(axes)
+    except ConfigError as e:
+        raise SweepConfigError(str(e)) from None
+
+
 def _grid_name(combo: Sequence[tuple[str, Any]]) -> str:
     """`NCCL_ALGO=Ring, NCCL_PROTO=LL128` -> `algo-ring_proto-ll128` (a directory name)."""
     parts = []
@@ -358,7 +371,7 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
     except ValueError as e:
         raise SweepConfigError(f"bench.ops: {e}") from None
     try:
-        lo, hi = C.parse_size(bench["min_bytes"]), C.parse_size(bench["max_bytes"])
+        lo, hi = parse_size(bench["min_bytes"]), parse_size(bench["max_bytes"])
         C.sizes(lo, hi, float(bench["factor"]))
     except ValueError as e:
         raise SweepConfigError(f"bench.min_bytes/max_bytes/factor: {e}") from None
@@ -382,15 +395,8 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
         settings[sname] = check_env(env or {}, f"settings.{sname}")
     grid = cfg["grid"] or {}
     if grid:
-        keys = list(grid)
-        values = []
-        for k in keys:
-            vs = grid[k] if isinstance(grid[k], list) else [grid[k]]
-            if not vs:
-                raise SweepConfigError(f"grid.{k}: needs at least one value")
-            values.append(vs)
-        for combo in itertools.product(*values):
-            pairs = list(zip(keys, combo))
+        for pairs in _expand([(f"grid.{k}", [(k, v) for v in (vs if isinstance(vs, list) else [vs])])
+                              for k, vs in grid.items()]):
             env = check_env(dict(pairs), "grid")
             gname = _grid_name(pairs)
             if gname in settings:
@@ -413,10 +419,9 @@ def build(raw: Mapping, out: str | Path) -> Sweep:
                   str(bench["backend"]), "--timeout", str(bench["timeout"])]
     srun_args = [str(a) for a in (cfg["srun_args"] or [])]
     elements = []
-    for sname, env in settings.items():
-        for k in nodes:
-            d = out / (sname if len(nodes) == 1 else f"{sname}_{k}n")
-            elements.append(Element(sname, k, tpn, env, base_env, str(d), bench_args, srun_args, cpt))
+    for (sname, env), k in _expand([("settings", list(settings.items())), ("nodes", nodes)]):
+        d = out / (sname if len(nodes) == 1 else f"{sname}_{k}n")
+        elements.append(Element(sname, k, tpn, env, base_env, str(d), bench_args, srun_args, cpt))
     time_min = _check_int("time_min", cfg["time_min"], 1)
     slurm = {"time_min": time_min, "exclusive": bool(cfg["exclusive"]),
              "array_parallelism": _check_int("array_parallelism", cfg["array_parallelism"], 1),

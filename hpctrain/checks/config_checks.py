@@ -16,7 +16,8 @@ from typing import Callable, Iterator, Sequence
 
 from hpctrain.core.compose import ConfigError, bad_choices, compose
 from hpctrain.core.disk import writable_dir_problem
-from hpctrain.core.spec import ZERO_STAGES, EngineSpec, engine_spec, layout_of, pp_layers_problems, world_size
+from hpctrain.core import rules
+from hpctrain.core.spec import ZERO_STAGES, engine_spec, pp_layers_problems, updated
 from hpctrain.core.schema import Config
 from hpctrain.checks import cluster_checks
 from hpctrain.checks.k8s_checks import k8s_problems
@@ -260,14 +261,6 @@ def _rope_problem(cfg: Config):
 
 
 @_check
-def _grad_sync(cfg: Config):
-    p = cfg.parallel
-    if p.grad_sync == "microbatch" and p.pp > 1:
-        yield ("parallel.grad_sync=microbatch does not apply with pipelining: torch's pipeline stages reduce "
-               "gradients after a step's last backward. Fix: parallel.grad_sync=auto")
-
-
-@_check
 def _cluster_k8s(cfg: Config):
     """launcher=k8s: a pullable image, a shared volume for more than one node, valid names."""
     if cfg.launcher.name != "k8s":
@@ -289,30 +282,6 @@ def _launcher(cfg: Config):
 
 
 @_check
-def _layout(cfg: Config):
-    p = cfg.parallel
-    if min(p.pp, p.dp_replicate, p.tp, p.cp) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
-        return
-    world = world_size(cfg)
-    where = (f"launcher.nproc={world}" if cfg.launcher.name == "local" else
-             f"cluster.nodes={cfg.cluster.nodes} x {'cluster.gpus_per_node' if cfg.cluster.gpus_per_node else 'cluster.tasks_per_node'}"
-             f"={cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node}")
-    fixed = p.pp * p.dp_replicate * p.cp * p.tp
-    cp = f" x parallel.cp={p.cp}" if p.cp > 1 else ""
-    if p.dp_shard == -1:
-        if world % fixed:
-            yield (f"parallel.pp={p.pp} x parallel.dp_replicate={p.dp_replicate}{cp} x parallel.tp={p.tp} = {fixed} "
-                   f"does not divide the {world} ranks the launcher provides ({where}). "
-                   f"Fix: make the world size a multiple of {fixed}, or change the parallel sizes")
-        return
-    product = fixed * p.dp_shard
-    if product != world:
-        yield (f"parallel sizes pp={p.pp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard}{cp.replace('parallel.', '')} x tp={p.tp} "
-               f"= {product}, but the launcher provides {world} ranks ({where}). "
-               f"Fix: set parallel.dp_shard=-1 to use all ranks, or make the product equal {world}")
-
-
-@_check
 def _model(cfg: Config):
     m = cfg.model
     if min(m.dim, m.n_heads, m.n_kv_heads) < 1:
@@ -324,99 +293,36 @@ def _model(cfg: Config):
             yield f"model.head_dim={m.head_dim} must be even for rotary embeddings. Fix: model.head_dim={m.head_dim + 1}"
     elif m.dim % m.n_heads:
         yield (f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. "
-               f"Fix: choose model.n_heads among {_divisors(m.dim)}, or set model.head_dim")
+               f"Fix: choose model.n_heads among {rules.divisors(m.dim)}, or set model.head_dim")
     elif (m.dim // m.n_heads) % 2:
         yield (f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary embeddings. "
                "Fix: change model.dim or model.n_heads")
     if m.n_heads % m.n_kv_heads:
         yield (f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads} "
                "(grouped-query attention shares each KV head among a whole number of query heads). "
-               f"Fix: choose model.n_kv_heads among {_divisors(m.n_heads)}")
-    tp = cfg.parallel.tp
-    if tp >= 1:
-        for key in ("n_heads", "n_kv_heads"):
-            if getattr(m, key) % tp:
-                yield (f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={tp}: tensor parallel splits heads. "
-                       f"Fix: choose parallel.tp among {_divisors(getattr(m, key))}")
-        if m.ffn_dim % tp:
-            yield f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}"
+               f"Fix: choose model.n_kv_heads among {rules.divisors(m.n_heads)}")
 
 
 @_check
-def _expert_parallel(cfg: Config):
-    """parallel.ep: a split of dp_shard over whole experts, on FSDP2."""
-    p, e = cfg.parallel, cfg.model.moe
-    if p.ep <= 1:
-        return
-    if e.experts <= 0:
-        yield (f"parallel.ep={p.ep} splits Mixture-of-Experts layers, but the model has none (model.moe.experts=0). "
-               "Fix: parallel.ep=1, or a MoE model (e.g. model=moe_tiny)")
-        return
-    if e.experts % p.ep:
-        yield (f"model.moe.experts={e.experts} is not divisible by parallel.ep={p.ep}: each ep rank holds whole "
-               f"experts. Fix: choose parallel.ep among {_divisors(e.experts)}")
-    dp_shard = layout_of(cfg).dp_shard
-    if dp_shard >= 1 and dp_shard % p.ep:
-        yield (f"parallel.ep={p.ep} does not divide parallel.dp_shard={dp_shard}: expert parallel splits the "
-               f"data-parallel shard group. Fix: choose parallel.ep among {_divisors(dp_shard)}")
-    if p.zero < 2 and not p.auto:
-        yield (f"parallel.ep={p.ep} with parallel.zero={p.zero}: expert parallel runs on FSDP2, whose gradient "
-               "reduction knows the experts are split (DDP would average different experts' gradients). "
-               "Fix: parallel.zero=2 or 3")
-
-
-@_check
-def _context_parallel(cfg: Config):
-    """parallel.cp: whole chunks per rank, on the engines that know the cp ranks share samples."""
-    p, d = cfg.parallel, cfg.data
+def _rule_book(cfg: Config):
+    """The layout's rules (hpctrain.core.rules: the planner's search and every rank read the same book),
+    once the sizes they divide by are positive (_positive says when they are not)."""
+    p, m = cfg.parallel, cfg.model
     if p.cp < 1:
         yield f"parallel.cp={p.cp} must be at least 1 (1 = no context parallelism)"
+    # what the spec divides by (the model's sizes only where a pipeline split weighs them); each rule
+    # minds its own other sizes
+    sizes = (p.pp, p.dp_replicate, p.tp, p.cp, p.ep, p.pp_virtual_stages, m.n_layers,
+             *((m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size) if p.pp > 1 else ()))
+    if min(sizes) < 1 or p.dp_shard == 0 or p.dp_shard < -1:
         return
-    if p.cp == 1:
-        return
-    if d.seq_len % (2 * p.cp):
-        yield (f"data.seq_len={d.seq_len} is not divisible by 2 x parallel.cp={2 * p.cp}: each cp rank holds two "
-               f"equal chunks of every sequence. Fix: data.seq_len={(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}, or "
-               f"parallel.cp among {[c for c in _divisors(d.seq_len // 2)][:8]}")
-    m = cfg.model
-    gqa = bool(m.n_kv_heads) and m.n_kv_heads != m.n_heads
-    if str(p.cp_kernel) == "torch" and str(cfg.cluster.device) == "cuda" and str(cfg.train.precision) != "bf16" and gqa:
-        yield (f"parallel.cp_kernel=torch with train.precision={cfg.train.precision} and grouped-query attention "
-               f"(model.n_kv_heads={m.n_kv_heads} < n_heads={m.n_heads}): of the CUDA kernels torch's ring runs, only "
-               "flash takes fewer K/V heads, and it computes in 16 bits. Fix: train.precision=bf16, or "
-               "parallel.cp_kernel=auto (hpctrain's kernel then)")
-    if str(p.cp_kernel) == "torch" and d.document_mask:
-        yield ("parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel ring attention is "
-               "causal only and takes no mask. Fix: parallel.cp_kernel=auto (hpctrain's kernel where a mask is "
-               "on), or data.document_mask=false")
-    elif min(p.pp, p.tp, p.dp_replicate, p.pp_virtual_stages, m.n_layers, cfg.train.micro_batch) >= 1:
-        problem = cp_fallback_problem(engine_spec(cfg, pp_layers=()), m.n_heads)
-        if problem:
-            yield problem
-
-
-def cp_fallback_problem(spec: EngineSpec, n_heads: int) -> str:
-    """Context parallelism on CUDA with hpctrain's kernel (a document mask, fp32, or parallel.cp_kernel=hpctrain):
-    its chunk pairs fall back there to fp32 matmuls over whole (chunk x chunk) score matrices per head
-    (hpctrain.models.attention._math_forward; no fused CUDA kernel takes the mask with grouped K/V yet),
-    which the planner prices neither in memory nor in time. Refused on the login node, by the config
-    checks and the planner's search alike; "" where it does not arise."""
-    k, cp = spec.knobs, spec.layout.cp
-    if cp <= 1 or spec.device != "cuda" or spec.cp_kernel != "hpctrain":
-        return ""
-    chunk = k.seq_len // (2 * cp)
-    heads = n_heads // max(1, spec.layout.tp)
-    scores = k.micro_batch * heads * chunk * chunk * 4 / 2**30
-    if k.document_mask:
-        why, fix = "data.document_mask=true", "data.document_mask=false (torch's ring, causal only), or parallel.cp=1"
-    elif str(k.cp_kernel) == "hpctrain":
-        why, fix = "parallel.cp_kernel=hpctrain", "parallel.cp_kernel=auto with train.precision=bf16 (torch's ring)"
-    else:
-        why, fix = f"train.precision={k.precision}", "train.precision=bf16 (torch's ring), or parallel.cp=1"
-    return (f"parallel.cp={cp} on CUDA with hpctrain's attention kernel ({why}): its chunk pairs run on CUDA as fp32 "
-            f"matmuls over whole {chunk} x {chunk} score matrices ({scores:.1f} GiB a pair for a rank's {heads} heads, "
-            "several at once in backward), priced neither in memory nor in time (a fused CUDA kernel is still to "
-            f"be built: docs/long_context.md). Fix: {fix}")
+    # parallel.pp_layers: one entry per stage, summing to the blocks, a block on every middle stage; the
+    # other rules then read the automatic split
+    split = pp_layers_problems(m, p.pp, p.pp_schedule, p.pp_virtual_stages, list(p.pp_layers))
+    yield from split
+    spec = engine_spec(updated(cfg, {"parallel.pp_layers": []}) if split else cfg)
+    yield from (problem.message for problem in rules.problems(spec)
+                if not (p.auto and problem.reason == rules.EP_ZERO))
 
 
 @_check
@@ -544,20 +450,6 @@ def _moe(cfg: Config):
 
 
 @_check
-def _batch(cfg: Config):
-    t = cfg.train
-    if min(t.global_batch, t.micro_batch) < 1:
-        return
-    dp = layout_of(cfg).dp
-    if dp < 1:
-        return
-    if t.global_batch % (dp * t.micro_batch):
-        yield (f"train.global_batch={t.global_batch} is not divisible by data-parallel ranks ({dp}) x "
-               f"train.micro_batch={t.micro_batch} = {dp * t.micro_batch}. "
-               f"Fix: train.global_batch={max(1, t.global_batch // (dp * t.micro_batch)) * dp * t.micro_batch}")
-
-
-@_check
 def _data(cfg: Config):
     """data.path or data.sources: shard directories whose vocabulary fits the model, from one
     tokenizer, long enough for data.seq_len, with a validation split where eval.every asks for one."""
@@ -655,47 +547,6 @@ def _cluster_partition(cfg: Config):
 
 
 @_check
-def _engine(cfg: Config):
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    if min(p.pp, p.tp, p.dp_replicate) < 1 or t.micro_batch < 1:
-        return
-    # parallel.pp_layers: one entry per stage, summing to the blocks, a block on every middle stage.
-    split = [] if min(m.n_layers, p.pp_virtual_stages) < 1 else pp_layers_problems(
-        m, p.pp, p.pp_schedule, p.pp_virtual_stages, list(p.pp_layers))
-    yield from split
-    spec = engine_spec(cfg, pp_layers=() if split else None)  # the other checks on the automatic split
-    lay = spec.layout
-    if spec.data_parallel == "replicate_zero1" and cfg.offload.target != "none":
-        yield (f"offload.target={cfg.offload.target} with parallel.zero=1, data parallel over {lay.dp} ranks and "
-               f"tp={p.tp}, pp={p.pp}: the optimizer sharded by parameter owner does not offload. "
-               "Fix: parallel.zero=2 or 3, or offload.target=none")
-    if p.dp_replicate > 1 and spec.data_parallel != "fsdp":
-        yield ("parallel.dp_replicate>1 (HSDP) needs a sharded data-parallel engine. "
-               "Fix: parallel.zero=2 or 3, or parallel.dp_replicate=1")
-    if spec.pipeline is None:
-        return
-    stages = spec.pipeline.stages
-    if m.tie_embeddings:
-        yield ("model.tie_embeddings=true cannot be split over pipeline stages (the embedding and the "
-               "output would live on different ranks). Fix: parallel.pp=1")
-    if stages > m.n_layers + 2:
-        yield (f"parallel.pp={p.pp} with schedule {p.pp_schedule} makes {stages} stages but the model has "
-               f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
-    if lay.dp >= 1 and t.global_batch % (lay.dp * t.micro_batch) == 0:
-        n_micro = spec.microbatches
-        if p.pp_schedule == "dualpipev" and n_micro < stages:
-            yield (f"{n_micro} micro-batches per step for parallel.pp_schedule=dualpipev with {stages} stages: "
-                   f"DualPipeV needs at least as many micro-batches as stages. "
-                   f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // stages)} or a larger train.global_batch")
-        elif n_micro < p.pp or (stages > p.pp and n_micro % p.pp):
-            yield (f"{n_micro} micro-batches per step (train.global_batch / data-parallel ranks / "
-                   f"train.micro_batch) for parallel.pp={p.pp}, schedule {p.pp_schedule}: a pipeline needs at "
-                   f"least pp micro-batches, a multiple of pp for interleaved schedules. "
-                   f"Fix: train.micro_batch={max(1, t.global_batch // lay.dp // (2 * p.pp))} or a larger "
-                   "train.global_batch")
-
-
-@_check
 def _profile(cfg: Config):
     """profile.steps: [] or [first, last], optimizer steps of this run (1-based, inclusive)."""
     steps = list(cfg.profile.steps)
@@ -738,7 +589,3 @@ def _offload(cfg: Config):
         problem = writable_dir_problem("offload.path", o.path)
         if problem:
             yield problem
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)

@@ -16,9 +16,8 @@ class Choice(str, Enum):
     """A knob with a fixed set of values. OmegaConf refuses any other value while composing, with the
     allowed list; members compare equal to their strings and print as them (`f"{x}"` is "bf16")."""
 
-    def __str__(self) -> str:
-        return self.value
-
+    # the member's own characters, which are its value (str's, not Enum's: the planner calls it ~10^5 times)
+    __str__ = str.__str__
     __format__ = str.__format__
 
     @classmethod
@@ -330,7 +329,12 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initial weights (the same model whatever the layout)."""
     precision: Precision = Precision("fp32")
-    """fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32."""
+    """fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32 (train.reduce_precision)."""
+    reduce_precision: Precision = Precision("fp32")
+    """fp32 | bf16: what FSDP2 (parallel.zero=2 or 3) reduces gradients across data-parallel ranks in.
+    fp32 sums exactly; bf16 halves the bytes of every reduce-scatter and all-reduce and of the buffers
+    they use (torchtitan's mixed_precision_reduce), each sum rounded to bf16 before the fp32 shard takes
+    it. DDP and ZeRO-1 reduce the fp32 gradients autocast leaves: bf16 is refused there."""
     log_every: int = 1
     """Log the step's metrics (metrics.jsonl, the console, trackers) every N steps; the last step and
     steps with a validation loss are always logged."""

@@ -1,16 +1,22 @@
 """The engine spec: every decision about how a config trains, made once, as plain numbers and names.
 
-`engine_spec(cfg)` turns a composed config into an `EngineSpec`: the layout, which data-parallel engine
-wraps the model, the dtypes of parameters, matmuls and gradient reduction, where parameters, gradients
-and optimizer state live and over how many ranks each is sharded, the pipeline stages and the blocks
-of each, micro-batches, ranks per node and the collective backend. The login node's checks and
-planner, the engine on every rank, the launchers and the benchmarks read these fields instead of
-re-deriving them from the config, so a rule lives here once. No torch: the login node builds it.
+A run's configuration has three shapes: the override strings, one typed `Config` (what config.yaml
+holds), and the `EngineSpec` that `engine_spec(cfg)` derives from it, holding the config: the layout,
+which data-parallel engine wraps the model, the dtypes of parameters, matmuls and gradient reduction,
+where parameters, gradients and optimizer state live and over how many ranks each is sharded, the
+pipeline stages and the blocks of each, micro-batches, ranks per node and the collective backend; the
+knobs asked for are read through it by name. The login node's checks and planner, the engine on every
+rank, the launchers and the benchmarks read these fields instead of re-deriving them from the config,
+so a rule lives here once (what refuses a layout: hpctrain.core.rules). `updated` is the one way a
+config changes after composing. No torch: the login node builds it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property, lru_cache
 from typing import Optional
 
@@ -133,32 +139,6 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class Knobs:
-    """What a run chooses about how it trains, before the rules below decide what follows: the engine
-    spec's inputs. `knobs_of(cfg)` reads them from a config (parallel.*, train.*, offload.*,
-    data.seq_len); the planner varies them to search layouts."""
-    layout: Layout
-    global_batch: int
-    seq_len: int
-    micro_batch: int = 1
-    precision: str = "bf16"  # fp32 | bf16
-    zero: int = 3
-    ac: str = "none"  # none | full | selective (every ac_every-th block)
-    ac_every: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_layers: tuple = ()  # blocks per pipeline stage; () = the automatic split
-    offload: str = "none"  # none | cpu | nvme
-    master_on_nvme: bool = False
-    grad_sync: str = "auto"  # auto | step | microbatch (grad_sync() resolves auto)
-    compile: bool = False
-    sp_regather: bool = True  # applied with TP, uncompiled (EngineSpec.sp_regather)
-    cp_attention: str = "allgather"  # allgather | ring: how K/V reach the other cp ranks
-    cp_kernel: str = "auto"  # auto | torch | hpctrain: whose attention runs across them (EngineSpec.cp_kernel)
-    document_mask: bool = False  # no attention across the documents packed in a sequence
-
-
-@dataclass(frozen=True)
 class LoRA:
     """Adapters on the frozen model (model.lora with rank > 0), targets by hpctrain's layer names."""
     rank: int
@@ -176,7 +156,12 @@ def lora_of(model) -> Optional[LoRA]:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    knobs: Knobs  # what was asked for; the fields below are what the engine does with it
+    """A run as the engine runs it: the typed config it was derived from, and every decision that follows
+    from it. What the run asked for is read through the properties below (the knobs, by the names the
+    engine and the planner use); what the rules decide are the fields."""
+    config: Config = field(repr=False, hash=False)  # the run's one typed config (config.yaml): the only input
+    world: int  # ranks the launcher provides (the layout must fill them: hpctrain.core.rules)
+    layout: Layout  # the mesh, dp_shard=-1 resolved against `world`
     # ddp | zero1 (DDP + ZeroRedundancyOptimizer) | replicate (FSDP2's replicate: ZeRO-0 with TP/PP) |
     # replicate_zero1 (replicate + an optimizer sharded by parameter owner) | fsdp (FSDP2: ZeRO-2/3, HSDP)
     data_parallel: str
@@ -189,53 +174,98 @@ class EngineSpec:
     ranks_per_node: int
     device: str
     backend: str  # gloo | nccl, where the cluster's device is present (see backend_for)
-    params: int  # model parameters
-    flops_per_token: float  # model FLOPs per trained token (MFU's numerator)
     # step | microbatch: gradients reduced once per optimizer step or after every micro-batch
     grad_sync: str = "step"
     # sequence-parallel inputs re-gathered in backward (parallel.sp_regather, with TP and not compiled)
     sp_regather: bool = False
     lora: Optional[LoRA] = None  # adapters on the frozen model (model.lora)
 
-    # The knobs the engine takes as they are, read through the spec so callers need not know which are.
     @property
-    def layout(self) -> Layout:
-        return self.knobs.layout
+    def params(self) -> int:
+        """Model parameters."""
+        return param_counts(self.config.model)["total"]
 
     @property
-    def zero(self) -> int:
-        return int(self.knobs.zero)
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (MFU's numerator)."""
+        return train_flops_per_token(self.config.model, self.config.data.seq_len)
+
+    # The knobs the engine takes as they are, read from the config (enums as their strings).
+    @property
+    def model(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.train.global_batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.data.seq_len
 
     @property
     def micro_batch(self) -> int:
         """Sequences per forward/backward on one rank."""
-        return self.knobs.micro_batch
+        return self.config.train.micro_batch
+
+    @property
+    def precision(self) -> str:
+        return str(self.config.train.precision)
+
+    @property
+    def zero(self) -> int:
+        return int(self.config.parallel.zero)
 
     @property
     def ac(self) -> str:
-        return str(self.knobs.ac)
+        return str(self.config.parallel.ac)
+
+    @property
+    def ac_every(self) -> int:
+        return self.config.parallel.ac_every
+
+    @property
+    def schedule(self) -> str:
+        return str(self.config.parallel.pp_schedule)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.config.parallel.pp_virtual_stages
+
+    @property
+    def pp_layers(self) -> tuple:
+        """Blocks per pipeline stage as asked for (parallel.pp_layers); () = the automatic split."""
+        return tuple(self.config.parallel.pp_layers)
+
+    @property
+    def offload(self) -> str:
+        return str(self.config.offload.target)
+
+    @property
+    def master_on_nvme(self) -> bool:
+        return bool(self.config.offload.master_on_nvme)
+
+    @property
+    def compile(self) -> bool:
+        return bool(self.config.train.compile)
 
     @property
     def cp_attention(self) -> str:
-        return str(self.knobs.cp_attention)
+        return str(self.config.parallel.cp_attention)
+
+    @property
+    def document_mask(self) -> bool:
+        return bool(self.config.data.document_mask)
 
     @property
     def cp_kernel(self) -> str:
         """torch's context_parallel where it covers the case, else hpctrain's: CUDA, no document mask, and
         bf16 (with grouped-query K/V only CUDA's flash kernel, a 16-bit one, serves torch's ring)."""
-        k = str(self.knobs.cp_kernel)
+        k = str(self.config.parallel.cp_kernel)
         if k == "auto":
-            covered = self.device == "cuda" and not self.knobs.document_mask and self.knobs.precision == "bf16"
+            covered = self.device == "cuda" and not self.document_mask and self.precision == "bf16"
             return "torch" if covered else "hpctrain"
         return k
-
-    @property
-    def ac_every(self) -> int:
-        return self.knobs.ac_every
-
-    @property
-    def compile(self) -> bool:
-        return bool(self.knobs.compile)
 
 
 # ------------------------------------------------------------------------------------- the rules
@@ -278,15 +308,17 @@ def data_parallel(zero: int, dp: int, tp: int = 1, pp: int = 1) -> str:
     return "zero1" if zero == 1 and dp > 1 else "ddp"
 
 
-def dtypes(precision: str, zero: int) -> Dtypes:
-    """FSDP2 (ZeRO 2/3) casts the parameters it gathers to bf16 and reduces in fp32; DDP and ZeRO-1
-    keep fp32 parameters, which autocast feeds to the matmuls in bf16 (their gradients, and so the
-    reduction, stay fp32). The master weights are fp32 either way."""
-    if precision != "bf16":
-        return Dtypes(param=FLOAT32, compute=FLOAT32, autocast=False, reduce=FLOAT32, master=FLOAT32)
+def dtypes(precision: str, zero: int, reduce: str = "fp32") -> Dtypes:
+    """FSDP2 (ZeRO 2/3) casts the parameters it gathers to bf16 and reduces in fp32, or in bf16 where
+    train.reduce_precision says so; DDP and ZeRO-1 keep fp32 parameters, which autocast feeds to the
+    matmuls in bf16 (their gradients, and so the reduction, stay fp32: rules.engine refuses bf16 there).
+    The master weights are fp32 either way."""
     fsdp = zero >= 2
+    reduce_dtype = BFLOAT16 if reduce == "bf16" and fsdp else FLOAT32
+    if precision != "bf16":
+        return Dtypes(param=FLOAT32, compute=FLOAT32, autocast=False, reduce=reduce_dtype, master=FLOAT32)
     return Dtypes(param=BFLOAT16 if fsdp else FLOAT32, compute=BFLOAT16, autocast=not fsdp,
-                  reduce=FLOAT32, master=FLOAT32)
+                  reduce=reduce_dtype, master=FLOAT32)
 
 
 def sharding(zero: int, layout: Layout) -> Sharding:
@@ -500,7 +532,7 @@ def pp_layers_problems(model: ModelConfig, pp: int, schedule: str, virtual: int,
 def pipeline(model: ModelConfig, pp: int, schedule: str, virtual: int, layers=()) -> Optional[Pipeline]:
     """The stages and the blocks of each: `layers` blocks per stage (parallel.pp_layers), or the
     automatic split. Raises ValueError with pp_layers_problems' message for a split that cannot run.
-    More stages than blocks + 2 get no blocks (check.py refuses them)."""
+    More stages than blocks + 2 get no blocks (hpctrain.core.rules refuses them)."""
     layers = tuple(int(x) for x in layers or ())
     bad = pp_layers_problems(model, pp, schedule, virtual, layers)
     if bad:
@@ -541,18 +573,95 @@ def microbatches(global_batch: int, dp: int, micro_batch: int) -> int:
 
 # ------------------------------------------------------------------------------------- the spec
 
-def knobs_of(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> Knobs:
-    """The knobs of a composed config, for `world` ranks (default: what the launcher provides), with
-    `pp_layers` instead of parallel.pp_layers where given (checks: () while they refuse the config's)."""
-    p, t = cfg.parallel, cfg.train
-    return Knobs(layout=layout_of(cfg, world), global_batch=t.global_batch, seq_len=cfg.data.seq_len,
-                 micro_batch=t.micro_batch, precision=str(t.precision), zero=p.zero, ac=str(p.ac), ac_every=p.ac_every,
-                 schedule=str(p.pp_schedule), virtual_stages=p.pp_virtual_stages,
-                 pp_layers=tuple(p.pp_layers) if pp_layers is None else tuple(pp_layers),
-                 offload=str(cfg.offload.target), master_on_nvme=bool(cfg.offload.master_on_nvme),
-                 grad_sync=str(p.grad_sync), compile=bool(t.compile), sp_regather=bool(p.sp_regather),
-                 cp_attention=str(p.cp_attention), cp_kernel=str(p.cp_kernel),
-                 document_mask=bool(cfg.data.document_mask))
+# The knobs: what a run chooses about how it trains, by the names the engine and the planner use, and the
+# config key each is. One table: the planner's search varies them, parallel=auto and elastic shrinking
+# apply them (`updated`), and the command line that reproduces a choice is written from it.
+KNOBS = {
+    "pp": "parallel.pp", "dp_replicate": "parallel.dp_replicate", "dp_shard": "parallel.dp_shard",
+    "tp": "parallel.tp", "ep": "parallel.ep", "cp": "parallel.cp", "zero": "parallel.zero", "ac": "parallel.ac",
+    "ac_every": "parallel.ac_every", "schedule": "parallel.pp_schedule", "virtual_stages": "parallel.pp_virtual_stages",
+    "pp_layers": "parallel.pp_layers", "grad_sync": "parallel.grad_sync", "sp_regather": "parallel.sp_regather",
+    "cp_attention": "parallel.cp_attention", "cp_kernel": "parallel.cp_kernel",
+    "micro_batch": "train.micro_batch", "global_batch": "train.global_batch", "precision": "train.precision",
+    "reduce_precision": "train.reduce_precision",
+    "compile": "train.compile", "seq_len": "data.seq_len", "document_mask": "data.document_mask",
+    "offload": "offload.target", "master_on_nvme": "offload.master_on_nvme",
+}
+LAYOUT_KNOBS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp")  # Layout's fields, as printed
+
+
+def knob_changes(**knobs) -> dict:
+    """{config key: value} of knobs by name; `layout=Layout(...)` stands for its six degrees."""
+    lay = knobs.pop("layout", None)
+    if lay is not None:
+        knobs = {**{k: getattr(lay, k) for k in LAYOUT_KNOBS}, **knobs}
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise KeyError(f"not knobs: {unknown} (hpctrain.core.spec.KNOBS names them)")
+    return {KNOBS[k]: v for k, v in knobs.items()}
+
+
+def updated(cfg: Config, changes: dict) -> Config:
+    """A new Config: `cfg` with `changes` ({"parallel.tp": 2, ...}, two-part keys) applied, each value
+    made the schema's type (a choice's enum). The one way a run's config is changed after composing
+    (parallel=auto's choice, elastic shrinking, the planner's layouts); `cfg` is left as it was. Configs
+    are values, never changed in place once composed: the sections not changed are shared."""
+    sections: dict = {}
+    for key, value in changes.items():
+        section, name, kind = _key(type(cfg), key)
+        sections.setdefault(section, {})[name] = _as_kind(kind, value)
+    new = _shallow(cfg)
+    for section, values in sections.items():
+        node = _shallow(getattr(cfg, section))
+        node.__dict__.update(values)
+        new.__dict__[section] = node
+    return new
+
+
+def _shallow(node):
+    # dataclasses.replace without its cost (the planner changes ~10^4 configs a search); the schema's
+    # dataclasses have no __post_init__ to run again
+    out = object.__new__(type(node))
+    out.__dict__.update(node.__dict__)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _key(cls, key: str) -> tuple:
+    """(section, name, the schema's type of the value: a Choice enum, list, or None for as given)."""
+    section, _, name = key.partition(".")
+    hints = typing.get_type_hints(cls)
+    inner = typing.get_type_hints(hints[section]) if section in hints and dataclasses.is_dataclass(hints[section]) else {}
+    if name not in inner:
+        raise KeyError(f"{key} is not a config key")
+    hint = inner[name]
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return section, name, hint
+    if hint is list or getattr(hint, "__origin__", None) is list:
+        return section, name, list
+    return section, name, None
+
+
+def _as_kind(kind, value):
+    if kind is list:
+        return list(value)
+    if kind is None or isinstance(value, kind):
+        return value
+    return _member(kind, str(value))
+
+
+@lru_cache(maxsize=None)
+def _member(kind, value: str):
+    return kind(value)
+
+
+def overrides_of(changes: dict) -> list[str]:
+    """The command-line overrides that make the same change (`key=value`, lists as [a,b])."""
+    def shown(v) -> str:
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(map(str, v)) + "]"
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return [f"{k}={shown(v)}" for k, v in changes.items()]
 
 
 def placement_of(cfg: Config, world: int) -> tuple[int, int]:
@@ -562,24 +671,20 @@ def placement_of(cfg: Config, world: int) -> tuple[int, int]:
     return cfg.cluster.nodes, ranks_per_node(cfg.cluster)
 
 
-def engine_spec(cfg: Config, world: Optional[int] = None, pp_layers: Optional[tuple] = None) -> EngineSpec:
-    """The spec of a composed config (knobs_of's arguments)."""
-    k = knobs_of(cfg, world, pp_layers)
-    nodes, rpn = placement_of(cfg, k.layout.world)
-    return build(cfg.model, k, nodes=nodes, ranks_per_node=rpn, device=str(cfg.cluster.device),
-                 backend=str(cfg.launcher.backend))
-
-
-def build(model: ModelConfig, k: Knobs, *, nodes: int = 1, ranks_per_node: int = 1, device: str = "cpu",
-          backend: str = "auto") -> EngineSpec:
-    """The spec of these knobs on `nodes` x `ranks_per_node` (the planner prices thousands this way)."""
-    lay, zero = k.layout, int(k.zero)
+def engine_spec(cfg: Config, world: Optional[int] = None) -> EngineSpec:
+    """The spec of a composed config on `world` ranks (default: what the launcher provides). Raises
+    ValueError where parallel.pp_layers cannot split the model (pp_layers_problems says why)."""
+    world = world_size(cfg) if world is None else world
+    lay, p, model = layout_of(cfg, world), cfg.parallel, cfg.model
+    zero = int(p.zero)
+    nodes, rpn = placement_of(cfg, lay.world)
+    pipe = pipeline(model, lay.pp, str(p.pp_schedule), p.pp_virtual_stages, p.pp_layers)
+    device = str(cfg.cluster.device)
     return EngineSpec(
-        knobs=k, data_parallel=data_parallel(zero, lay.dp * lay.cp, lay.tp, lay.pp),
-        dtypes=dtypes(k.precision, zero), sharding=sharding(zero, lay),
-        placement=placement(k.offload, zero, lay.tp, k.master_on_nvme),
-        pipeline=pipeline(model, lay.pp, k.schedule, k.virtual_stages, k.pp_layers),
-        microbatches=microbatches(k.global_batch, lay.dp, k.micro_batch), nodes=nodes, ranks_per_node=ranks_per_node, device=str(device),
-        backend=backend_for(backend, device, True), params=param_counts(model)["total"],
-        flops_per_token=train_flops_per_token(model, k.seq_len), grad_sync=grad_sync(str(k.grad_sync), zero, lay),
-        sp_regather=bool(k.sp_regather) and lay.tp > 1 and not k.compile, lora=lora_of(model))
+        config=cfg, world=world, layout=lay, data_parallel=data_parallel(zero, lay.dp * lay.cp, lay.tp, lay.pp),
+        dtypes=dtypes(str(cfg.train.precision), zero, str(cfg.train.reduce_precision)), sharding=sharding(zero, lay),
+        placement=placement(str(cfg.offload.target), zero, lay.tp, bool(cfg.offload.master_on_nvme)),
+        pipeline=pipe, microbatches=microbatches(cfg.train.global_batch, lay.dp, cfg.train.micro_batch),
+        nodes=nodes, ranks_per_node=rpn, device=device, backend=backend_for(str(cfg.launcher.backend), device, True),
+        grad_sync=grad_sync(str(p.grad_sync), zero, lay),
+        sp_regather=bool(p.sp_regather) and lay.tp > 1 and not cfg.train.compile, lora=lora_of(model))

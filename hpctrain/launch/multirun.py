@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 import shlex
 import sys
@@ -81,17 +82,26 @@ def expand(overrides: Sequence[str]) -> tuple[list[str], list[list[str]]]:
             values = value.filter(sorted(p.stem for p in group.glob("*.yaml")))
         else:
             values = list(o.sweep_string_iterator())
-        if not values:
-            raise ConfigError(f"{o.input_line}: sweeps over no values")
-        axes.append([f"{key}={v}" for v in values])
+        axes.append((o.input_line, [f"{key}={v}" for v in values]))
     if not axes:
         raise ConfigError("-m (multirun) was given, but no override sweeps: give one several values, "
                           "e.g. optim.lr=1e-4,3e-4 (or drop -m for a single run)")
-    elements = [list(p) for p in itertools.product(*axes)]
-    if len(elements) > MAX_ELEMENTS:
-        raise ConfigError(f"the sweep has {len(elements)} elements; at most {MAX_ELEMENTS} "
+    return fixed, expand_axes(axes)
+
+
+def expand_axes(axes: Sequence[tuple[str, Sequence]]) -> list[list]:
+    """A sweep's elements, one value of each axis per element, the first axis outermost (the order of
+    Hydra's basic sweeper). `axes`: (the axis as its sweep names it, for the refusals; its values). One
+    rule for every sweep hpctrain submits, `python -m hpctrain -m` and `python -m hpctrain.bench.sweep`:
+    an axis over no values is refused, and so is a sweep larger than one Slurm job array."""
+    for where, values in axes:
+        if not values:
+            raise ConfigError(f"{where}: sweeps over no values")
+    count = math.prod(len(values) for _, values in axes)  # counted before any element is made
+    if count > MAX_ELEMENTS:
+        raise ConfigError(f"the sweep has {count} elements; at most {MAX_ELEMENTS} "
                           "(Slurm's MaxArraySize). Fix: sweep fewer values")
-    return fixed, elements
+    return [list(p) for p in itertools.product(*(values for _, values in axes))]
 
 
 def dir_name(element: Sequence[str]) -> str:

@@ -12,9 +12,12 @@ flash attention's backward recomputes each pair's probabilities as exp(score - l
 final lse and rowsum(dout * out) (Dao 2023, Algorithm 2).
 
 The same pair functions serve one process (`chunked_attention`) and context parallelism
-(hpctrain.parallel.context), where the key chunks live on other ranks. On CPU the kernel is
-`_scaled_dot_product_flash_attention_for_cpu` (it takes grouped-query K/V as they are and an additive
-mask in the query's dtype).
+(hpctrain.parallel.context), where the key chunks live on other ranks. A pair is computed by one of two
+kernels, chosen by the tensors' device unless a caller names one (`pairs`): on CPU `FlashPairs`,
+`_scaled_dot_product_flash_attention_for_cpu` (it takes grouped-query K/V as they are and an additive mask
+in the query's dtype), elsewhere `MathPairs`. This module is the one that calls that private aten op and
+its backward (hpctrain.parallel.context_torch registers the same two for torch's ring through the names
+here); tests/test_dispatch.py pins the contract used, so that a torch upgrade that changes it fails there.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# (out, lse) = CPU_FLASH(q, k, v, dropout_p, is_causal, attn_mask=, scale=), lse (batch, heads, seq) fp32;
+# (dq, dk, dv) = CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, dropout_p, is_causal, attn_mask=, scale=)
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # The block a document-masked sequence is cut into on one process: bounds the mask's memory (block^2 per
 # pair) and lets pairs of blocks with no shared document be skipped.
 LOCAL_BLOCK = 512
@@ -58,28 +63,48 @@ def pair(q_chunk: int, k_chunk: int, q_docs: Optional[torch.Tensor], k_docs: Opt
     return Pair(False, mask[:, None], None if bool(rows.all()) else rows[:, None])
 
 
-def pair_forward(q, k, v, p: Pair, scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+class FlashPairs:
+    """A pair by the CPU's fused flash kernel (CPU only)."""
+
+    @staticmethod
+    def forward(q, k, v, p: Pair, scale: Optional[float]):
+        return CPU_FLASH(q, k, v, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, p: Pair, scale: Optional[float]):
+        return CPU_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, p.causal, attn_mask=p.mask, scale=scale)
+
+
+class MathPairs:
+    """A pair by matmuls over the chunk's scores: exact, any device, a (chunk x chunk) score matrix per
+    head at a time. What runs off the CPU: CUDA's flash kernels pad their log-sum-exp and take no additive
+    mask with grouped K/V; a fused path is future work."""
+
+    @staticmethod
+    def forward(q, k, v, p: Pair, scale: Optional[float]):
+        return _math_forward(q, k, v, p, scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, p: Pair, scale: Optional[float]):
+        return _math_backward(dout, q, k, v, out, lse, p, scale)
+
+
+def pairs_for(device: torch.device) -> type:
+    return FlashPairs if device.type == "cpu" else MathPairs
+
+
+def pair_forward(q, k, v, p: Pair, scale: Optional[float],
+                 pairs: Optional[type] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q over one key chunk; rows with no key get lse -inf (the kernel says 0)."""
-    if q.device.type == "cpu" and not MATH:
-        out, lse = _FLASH(q, k, v, 0.0, p.causal, attn_mask=p.mask, scale=scale)
-    else:
-        out, lse = _math_forward(q, k, v, p, scale)
+    out, lse = (pairs or pairs_for(q.device)).forward(q, k, v, p, scale)
     if p.rows is not None:
         lse = lse.masked_fill(~p.rows, float("-inf"))
     return out, lse
 
 
-def pair_backward(dout, q, k, v, out, lse, p: Pair, scale: Optional[float]):
+def pair_backward(dout, q, k, v, out, lse, p: Pair, scale: Optional[float], pairs: Optional[type] = None):
     """(dq, dk, dv) of one pair, from the merged out and lse of q's rows."""
-    if q.device.type == "cpu" and not MATH:
-        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, p.causal, attn_mask=p.mask, scale=scale)
-    return _math_backward(dout, q, k, v, out, lse, p, scale)
-
-
-# Off the CPU (and where MATH is set, to test it there) the pairs are computed by matmuls over the chunk's
-# scores: exact, any device, a (chunk x chunk) score matrix per head at a time. CUDA's flash kernels pad
-# their log-sum-exp and take no additive mask with grouped K/V; a fused path is future work.
-MATH = False
+    return (pairs or pairs_for(q.device)).backward(dout, q, k, v, out, lse, p, scale)
 
 
 def _scores(q, k, p: Pair, scale: Optional[float]) -> torch.Tensor:
@@ -136,10 +161,10 @@ def chunks(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     return list(t.chunk(n, dim)) if n > 1 else [t]
 
 
-def chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale=None):
+def chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale=None, pairs=None):
     """(out, lse, plan) of q's chunks (global indices q_ids) over k/v's chunks (k_ids), both cut evenly
     along the sequence (dim 2); docs: each side's document ids (batch, seq), or None for no document
-    mask. `plan`: the pairs computed, for chunk_backward."""
+    mask; `pairs`: the pair kernel (None: the device's). `plan`: the pairs computed, for chunk_backward."""
     qs, ks, vs = chunks(q, len(q_ids), 2), chunks(k, len(k_ids), 2), chunks(v, len(k_ids), 2)
     qd = chunks(q_docs, len(q_ids), 1) if q_docs is not None else [None] * len(q_ids)
     kd = chunks(k_docs, len(k_ids), 1) if k_docs is not None else [None] * len(k_ids)
@@ -151,7 +176,7 @@ def chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale=None):
             p = pair(qi, kj, qd[i], kd[j], q.dtype)
             if p is None:
                 continue
-            out, lse = merge(out, lse, *pair_forward(qs[i], ks[j], vs[j], p, scale))
+            out, lse = merge(out, lse, *pair_forward(qs[i], ks[j], vs[j], p, scale, pairs))
             row.append((j, p))
         outs.append(out)
         lses.append(lse)
@@ -159,7 +184,7 @@ def chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale=None):
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2), plan
 
 
-def chunk_backward(dout, q, k, v, out, lse, plan, scale=None):
+def chunk_backward(dout, q, k, v, out, lse, plan, scale=None, pairs=None):
     """(dq, dk, dv) of chunk_forward's result."""
     nq = len(plan)
     nk = k.shape[2] // (q.shape[2] // nq)
@@ -170,7 +195,7 @@ def chunk_backward(dout, q, k, v, out, lse, plan, scale=None):
     dv = [torch.zeros_like(t) for t in vs]
     for i, row in enumerate(plan):
         for j, p in row:
-            a, b, c = pair_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], p, scale)
+            a, b, c = pair_backward(douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], p, scale, pairs)
             dq[i] += a
             dk[j] += b
             dv[j] += c
@@ -181,30 +206,32 @@ class ChunkAttention(torch.autograd.Function):
     """chunk_forward with autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_ids, k_ids, q_docs, k_docs, scale):
-        out, lse, ctx.plan = chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale)
+    def forward(ctx, q, k, v, q_ids, k_ids, q_docs, k_docs, scale, pairs=None):
+        out, lse, ctx.plan = chunk_forward(q, k, v, q_ids, k_ids, q_docs, k_docs, scale, pairs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.pairs = scale, pairs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*chunk_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None, None, None, None)
+        grads = chunk_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.pairs)
+        return (*grads, None, None, None, None, None, None)  # (autograd drops the Nones of args not given)
 
 
-def document_mask_attention(q, k, v, documents: torch.Tensor) -> torch.Tensor:
+def document_mask_attention(q, k, v, documents: torch.Tensor, pairs: Optional[type] = None) -> torch.Tensor:
     """Causal attention of one process's whole sequence, each token seeing only its own document: the
     sequence in LOCAL_BLOCK blocks, pairs of blocks that share no document skipped."""
     s = q.shape[2]
     n = max(1, s // LOCAL_BLOCK) if s % LOCAL_BLOCK == 0 else 1
     ids = list(range(n))
-    return ChunkAttention.apply(q, k, v, ids, ids, documents, documents, None)
+    return ChunkAttention.apply(q, k, v, ids, ids, documents, documents, None, pairs)
 
 
-def causal_attention(q, k, v, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+def causal_attention(q, k, v, documents: Optional[torch.Tensor] = None, pairs: Optional[type] = None) -> torch.Tensor:
     """The model's attention kernel on one process: q (batch, heads, seq, head_dim), k/v with the same
-    or fewer (grouped) heads; `documents` (batch, seq): a document id per token, or None."""
+    or fewer (grouped) heads; `documents` (batch, seq): a document id per token, or None; `pairs`: the
+    document-masked path's pair kernel on CPU (None: FlashPairs; tests name MathPairs to check it here)."""
     gqa = q.shape[1] != k.shape[1]
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -213,4 +240,4 @@ def causal_attention(q, k, v, documents: Optional[torch.Tensor] = None) -> torch
         allowed = (documents[:, :, None] == documents[:, None, :]) & torch.ones(s, s, dtype=torch.bool,
                                                                                 device=q.device).tril()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=gqa)
-    return document_mask_attention(q, k, v, documents)
+    return document_mask_attention(q, k, v, documents, pairs)

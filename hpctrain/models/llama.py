@@ -18,7 +18,8 @@ from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import head_dim, moe_layer
 from hpctrain.models.attention import causal_attention
 from hpctrain.models.ffn import FeedForward
-from hpctrain.models.moe import MoE, local_weight, moe_modules
+from hpctrain.models.dispatch import local_weight
+from hpctrain.models.moe import MoE, moe_modules
 
 
 def rope_frequencies(a: ModelConfig, device=None) -> torch.Tensor:

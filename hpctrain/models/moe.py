@@ -1,9 +1,12 @@
 """Mixture-of-Experts feed-forward layer: a router picks top_k of `experts` SwiGLU experts per token.
 
-Like the Llama around it, the layer knows nothing of parallelism. Its pieces are separable so that
-expert parallelism (hpctrain.parallel.expert) can put an all-to-all between them:
+Like the Llama around it, the layer knows nothing of parallelism: it routes, asks its dispatcher
+(hpctrain.models.dispatch; hpctrain.parallel.dispatch for expert parallel) and combines:
 
-    route (router)  ->  permute (tokens sorted by expert)  ->  experts  ->  unpermute (weighted sum)
+    route (router)  ->  permute (tokens sorted by expert)  ->  dispatcher: experts  ->  unpermute (weighted sum)
+
+The dispatcher also owns what depends on where tokens and experts live: the weights as this rank computes
+with them, and the routing statistics summed over the ranks that split a micro-batch's tokens.
 
 The experts' weights are three 3-D tensors, expert first, so that a shard along dim 0 is a set of
 whole experts. `Experts` computes them either as one grouped GEMM (`torch._grouped_mm`, which has a
@@ -15,14 +18,16 @@ backward, so the losses need no path to the training loss and work on any pipeli
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import expert_ffn
+from hpctrain.models.dispatch import LocalDispatcher
 from hpctrain.models.ffn import FeedForward, swiglu
 
 
@@ -41,17 +46,8 @@ class _AuxGrad(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times `scale` (expert parallel: see hpctrain.parallel.expert)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+def _as_is(w: torch.Tensor) -> torch.Tensor:
+    return w
 
 
 class Router(nn.Module):
@@ -67,10 +63,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(e.experts, a.dim))
         self.register_buffer("bias", torch.zeros(e.experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, view: Callable = _as_is):
         """x (tokens, dim) -> (expert index (tokens, top_k), weight (tokens, top_k) fp32, router logits
-        fp32, the probabilities the balancing loss reads (tokens, experts) fp32)."""
-        logits = F.linear(x, _local(self.weight)).float()
+        fp32, the probabilities the balancing loss reads (tokens, experts) fp32). `view`: the weight as
+        this rank computes with it (the dispatcher's `weight`)."""
+        logits = F.linear(x, view(self.weight)).float()
         if self.kind == "softmax":
             scores = probs = logits.softmax(-1)
         else:
@@ -99,34 +96,18 @@ class Experts(nn.Module):
         super().__init__()
         e, f = experts if experts is not None else a.moe.experts, expert_ffn(a)
         self.grouped = bool(a.moe.grouped_mm)
-        self.grad_scale = 1.0  # expert parallel sets 1/ep
         self.w1 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w3 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w2 = nn.Parameter(torch.empty(e, a.dim, f))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens sorted by expert, `counts[e]` rows for expert e of this module's weights."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        if self.grad_scale != 1.0:
-            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, view: Callable = _as_is) -> torch.Tensor:
+        """x: tokens sorted by expert, `counts[e]` rows for expert e of this module's weights. `view`: each
+        weight as this rank computes with it (the dispatcher's `expert_weight`), taken here, once FSDP2
+        has gathered the weights of this module (a unit of its own under expert parallel)."""
+        w1, w2, w3 = (view(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped and aligned(x, w1, w2) and x.shape[0] > 0:
             return grouped_swiglu(x, counts, w1, w2, w3)
         return looped_swiglu(x, counts, w1, w2, w3)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a weight held as a DTensor (experts sharded by expert parallel; weights
-    replicated over tensor parallel), for compute on this rank's own tokens. A replicated weight then
-    gets a partial gradient (its tokens' share of the sum over the sequence), which DTensor sums over the
-    replicas."""
-    if not hasattr(w, "to_local"):
-        return w
-    from torch.distributed.tensor import Partial, Replicate
-
-    return w.to_local(grad_placements=[Partial() if isinstance(q, Replicate) else q for q in w.placements])
-
-
-local_weight = _local
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
@@ -212,12 +193,10 @@ class MoE(nn.Module):
         self.router = Router(a)
         self.experts = Experts(a)
         self.shared = FeedForward(a, e.shared_experts * expert_ffn(a)) if e.shared_experts else None
-        # hpctrain.parallel.expert sets it: tokens then travel to the rank holding their expert.
-        self.dispatcher = None
-        # The ranks that split each micro-batch's tokens (tensor parallel's sequence shares, context
-        # parallel's chunks; hpctrain.parallel.apply sets it): each routes its share, and the balancing
-        # losses count the routed slots of the whole.
-        self.token_group = None
+        # Where this layer's tokens and experts live (hpctrain.parallel.apply sets it, once, for every
+        # layer: hpctrain.parallel.dispatch.token_dispatcher): every expert here and this rank's tokens the
+        # whole micro-batch's, until then.
+        self.dispatcher = LocalDispatcher()
         # The weight of one micro-batch in the step's loss (1 / micro-batches; 1 under pipelining,
         # whose schedule scales the gradients itself): what the balancing losses' gradient is scaled by.
         self.aux_scale = 1.0
@@ -229,25 +208,18 @@ class MoE(nn.Module):
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.dispatcher
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, weight, logits, probs = self.router(x)
+        idx, weight, logits, probs = self.router(x, d.weight)
         routing = Routed(idx, weight, self.num_experts, self.capacity(x.shape[0]))
-        rows = routing.permute(x)
-        if self.dispatcher is None:
-            y = self.experts(rows, routing.counts)
-        else:
-            y = self.dispatcher(self.experts, rows, routing.counts)
-        out = routing.unpermute(y)
+        out = routing.unpermute(d.experts(self.experts, routing.permute(x), routing.counts))
         if self.shared is not None:
             s = self.shared
-            w1, w2, w3 = _local(s.w1.weight), _local(s.w2.weight), _local(s.w3.weight)
+            w1, w2, w3 = d.weight(s.w1.weight), d.weight(s.w2.weight), d.weight(s.w3.weight)
             out = out + F.linear(swiglu(F.linear(x, w1), F.linear(x, w3)), w2)
-        counts, tokens = routing.routed, x.shape[0]
-        if self.token_group is not None:
-            counts = counts.clone()
-            dist.all_reduce(counts, group=self.token_group)
-            tokens *= dist.get_world_size(self.token_group)
+        # Each rank of a token group routes its share: the losses count the whole micro-batch's slots
+        counts, tokens = d.totals(routing.routed, x.shape[0])
         aux, z = balance_losses(logits, probs, counts, tokens)
         if self.training and torch.is_grad_enabled():
             loss = self.aux_coef * aux + self.z_coef * z
@@ -255,9 +227,7 @@ class MoE(nn.Module):
                 out = _AuxGrad.apply(out, loss, self.aux_scale)
         if self.training:
             # aux and z: this rank's parts of the micro-batch's; dropped: its own slots over capacity
-            parts = torch.stack([aux.detach(), z.detach(), routing.dropped.to(aux.dtype)])
-            if self.token_group is not None:
-                dist.all_reduce(parts, group=self.token_group)  # the whole micro-batch's
+            parts = d.whole(torch.stack([aux.detach(), z.detach(), routing.dropped.to(aux.dtype)]))
             self.stats.record(counts, parts[0], parts[1], parts[2])
         return out.reshape(shape)
 
@@ -281,7 +251,7 @@ class MoEStats:
         self.dropped = 0
 
     def record(self, counts: torch.Tensor, aux: torch.Tensor, z: torch.Tensor, dropped: torch.Tensor) -> None:
-        if _recomputing():
+        if _recomputations:
             return
         counts = counts.detach().float()
         self.load = counts if self.load is None else self.load + counts
@@ -291,9 +261,27 @@ class MoEStats:
         self.dropped += dropped.detach()
 
 
-def _recomputing() -> bool:
-    """True inside a backward pass: activation checkpointing's recompute of a forward."""
-    return torch._C._current_graph_task_id() != -1
+# Activation checkpointing reruns a block's forward in backward to recompute its activations; the rerun
+# routes the same tokens again and must not be counted. hpctrain.parallel.activation's wrapper enters
+# `recomputation()` around it (torch.utils.checkpoint's context_fn): a count, not a flag, so that nested
+# checkpoints compose.
+_recomputations = 0
+
+
+@contextmanager
+def recomputation():
+    global _recomputations
+    _recomputations += 1
+    try:
+        yield
+    finally:
+        _recomputations -= 1
+
+
+def recompute_contexts() -> tuple:
+    """torch.utils.checkpoint's `context_fn`: nothing around the first forward, `recomputation()` around
+    its rerun in backward."""
+    return nullcontext(), recomputation()
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:

@@ -1,6 +1,6 @@
 """Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> expert parallel -> context parallel -> LoRA adapters -> activation checkpointing -> sequence-parallel re-gather -> compile
--> data parallel -> materialize.
+pipeline split -> tensor parallel -> expert parallel -> context parallel -> MoE token dispatcher -> LoRA adapters
+-> activation checkpointing -> sequence-parallel re-gather -> compile -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
 parallel, the stages the schedule drives. Every decision (which engine, dtypes, resharding, where
@@ -19,6 +19,7 @@ from hpctrain.models.moe import moe_modules
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from hpctrain.parallel.dispatch import token_dispatcher
 from hpctrain.parallel.expert import apply_ep
 from hpctrain.parallel.init import materialize
 from hpctrain.parallel.pipeline import stage_module
@@ -48,23 +49,22 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
     init = partial(materialize, device=device, seed=seed, init_param_=init_param_)
     pipe = spec.pipeline
     if pipe:
-        ids = pipe.stage_ids(meshes.world["pp"].get_local_rank())
+        ids = pipe.stage_ids(meshes["pp"].get_local_rank())
         parts = [stage_module(model, s, pipe.stages, pipe.blocks[s]) for s in ids]
     else:
         ids, parts = [0], [model]
 
-    # The ranks that split each micro-batch's tokens, over which MoE layers count the routed slots
-    token_mesh = None
-    if spec.layout.cp > 1 and moe_modules(model):
-        token_mesh = meshes.world[("cp", "tp")]._flatten("cp_tp") if spec.layout.tp > 1 else meshes.cp
+    dispatcher = moe_dispatcher(model, meshes)
     out = []
     for part in parts:
-        if spec.layout.tp > 1:
-            apply_tp(part, meshes.world["tp"])
-        if spec.layout.ep > 1:
-            apply_ep(part, meshes.ep, meshes.world[("ep", "tp")] if spec.layout.tp > 1 else None)
-        if spec.layout.cp > 1:
-            apply_cp(part, meshes.cp, spec.cp_attention, spec.cp_kernel, token_mesh)
+        if meshes.enabled("tp"):
+            apply_tp(part, meshes["tp"])
+        if meshes.enabled("ep"):
+            apply_ep(part, meshes["ep"], meshes["ep_tp"] if meshes.enabled("tp") else None)
+        if meshes.enabled("cp"):
+            apply_cp(part, meshes["cp"], spec.cp_attention, spec.cp_kernel)
+        for moe in moe_modules(part):
+            moe.dispatcher = dispatcher
         if spec.lora:  # after TP: the adapters are split as their layer is
             apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
             if spec.dtypes.compute != "float32":  # frozen: no fp32 copy needed, computed in bf16 anyway
@@ -77,19 +77,31 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_compile(part)
         if spec.data_parallel == "fsdp":
             host = spec.placement.params == "host"
-            apply_fsdp(part, meshes.fsdp, param_dtype=getattr(torch, spec.dtypes.param),
+            apply_fsdp(part, meshes["fsdp"], param_dtype=getattr(torch, spec.dtypes.param),
                        reduce_dtype=getattr(torch, spec.dtypes.reduce),
                        reshard_after_forward=spec.sharding.reshard_after_forward, host_params=host,
-                       pin_memory=host and device.type == "cuda" and pin_memory, expert_mesh=meshes.efsdp)
+                       pin_memory=host and device.type == "cuda" and pin_memory, expert_mesh=meshes["efsdp"] if meshes.enabled("ep") else None)
             init(part, param_device=torch.device("cpu") if host else None)
         elif spec.data_parallel in ("replicate", "replicate_zero1"):
-            apply_replicate(part, meshes.dp)
+            apply_replicate(part, meshes["dp"])
             init(part)
         else:
             init(part)  # DDP needs real weights to wrap
-            if spec.layout.tp > 1:
+            if meshes.enabled("tp"):
                 keep_grads_like_params(part)
-            if meshes.dp.size() > 1:
-                part = apply_ddp(part, meshes.dp)
+            if meshes.enabled("dp"):
+                part = apply_ddp(part, meshes["dp"])
         out.append(part)
     return Parallelized(out, ids, pipe.stages if pipe else 1)
+
+
+def moe_dispatcher(model: nn.Module, meshes):
+    """The token dispatcher of every MoE layer of `model` (None: it has none), chosen once from where
+    the tokens and the experts live together: the ranks that split each micro-batch's tokens (tensor
+    parallel's sequence shares, context parallel's chunks, or both), over which the layers sum their
+    routing statistics, and the ep ranks that split the experts."""
+    moes = moe_modules(model)
+    if not moes:
+        return None
+    tokens = meshes["cp_tp"] if meshes.enabled("cp_tp") else None
+    return token_dispatcher(moes[0].num_experts, tokens, meshes["ep"] if meshes.enabled("ep") else None)

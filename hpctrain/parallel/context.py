@@ -12,7 +12,9 @@ Attention gets K and V of the other chunks in one of two ways (parallel.cp_atten
   on the chunks at hand; in backward they go round again with their gradients, which arrive back home
   after the last step (Liu et al. 2023, "Ring Attention").
 Both merge the partial results by log-sum-exp (hpctrain.models.attention). The model knows nothing of
-this: `apply_cp` swaps each attention's kernel, for this one or torch's own (context_torch).
+this: `apply_cp` swaps each attention's kernel for the one `cp_kernel` chooses, once: hpctrain's
+(`ContextParallelAttention` with its all-gather or ring method) or torch's own (context_torch, the one
+module that touches torch's private context-parallel API, imported only when chosen).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hpctrain.models.attention import chunk_backward, chunk_forward, merge, pair, pair_backward, pair_forward
-from hpctrain.models.moe import moe_modules
 
 
 def chunk_ids(rank: int, cp: int) -> list[int]:
@@ -50,10 +51,11 @@ def _gathered_ids(cp: int) -> list[int]:
 
 
 class ContextParallelAttention:
-    """The attention kernel of a context-parallel model: (q, k, v, documents) -> out on local chunks."""
+    """hpctrain's attention kernel of a context-parallel model: (q, k, v, documents) -> out on local
+    chunks, K and V of the others reached by `method` (AllGatherAttention or RingAttention)."""
 
-    def __init__(self, group, kind: str = "allgather"):
-        self.group, self.kind = group, kind
+    def __init__(self, group, method: type[torch.autograd.Function]):
+        self.group, self.method = group, method
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._docs: tuple = (None, None)  # (local documents, gathered) of the forward under way
 
@@ -67,8 +69,7 @@ class ContextParallelAttention:
 
     def __call__(self, q, k, v, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         docs = self._all_documents(documents) if documents is not None else None
-        kind = RingAttention if self.kind == "ring" else AllGatherAttention
-        return kind.apply(q, k, v, documents, docs, self.group, self.rank, self.size)
+        return self.method.apply(q, k, v, documents, docs, self.group, self.rank, self.size)
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn)
@@ -195,17 +196,24 @@ def _source_docs(all_docs: Optional[torch.Tensor], src: int, size: int) -> list:
     return list(all_docs.chunk(size, 1)[src].chunk(2, 1))
 
 
-def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain", token_mesh=None) -> None:
-    """Every attention of `model` computes across the cp ranks, by hpctrain's kernel (any mask, any device)
-    or torch's (`kernel="torch"`: causal only; hpctrain.parallel.context_torch). Every MoE layer counts
-    its routed slots over `token_mesh` (the cp ranks, x tp with tensor parallel): the balancing losses
-    are the whole sequence's, as on one rank."""
+# parallel.cp_attention -> how hpctrain's kernel reaches the other ranks' K and V
+METHODS = {"allgather": AllGatherAttention, "ring": RingAttention}
+
+
+def cp_kernel(cp_mesh, kind: str, kernel: str = "hpctrain"):
+    """The attention kernel every attention of a context-parallel model shares: hpctrain's (any mask, any
+    device) or torch's (`kernel="torch"`: causal only; hpctrain.parallel.context_torch)."""
     if kernel == "torch":
         from hpctrain.parallel.context_torch import TorchContextParallelAttention
-        kernel = TorchContextParallelAttention(cp_mesh, kind)
-    else:
-        kernel = ContextParallelAttention(cp_mesh.get_group(), kind)
+
+        return TorchContextParallelAttention(cp_mesh, kind)
+    return ContextParallelAttention(cp_mesh.get_group(), METHODS[kind])
+
+
+def apply_cp(model: nn.Module, cp_mesh, kind: str, kernel: str = "hpctrain") -> None:
+    """Every attention of `model` computes across the cp ranks, by the kernel `cp_kernel` chooses. (MoE
+    layers sum their routing statistics over the cp ranks through their token dispatcher, chosen with the
+    tp and ep ranks in hpctrain.parallel.apply.)"""
+    attention = cp_kernel(cp_mesh, kind, kernel)
     for block in model.layers.values():
-        block.attention.kernel = kernel
-    for moe in moe_modules(model):
-        moe.token_group = (cp_mesh if token_mesh is None else token_mesh).get_group()
+        block.attention.kernel = attention

@@ -13,8 +13,17 @@ torch's handlers cover only CUDA's kernels; on CPU SDPA calls `_scaled_dot_produ
 which has the same (out, log-sum-exp) contract, so this module hands that kernel and its backward to the
 same templated ring. The CPU path is what the CPU test suite checks; on CUDA torch's own handlers run.
 
-The API is private and experimental in torch 2.13 (underscored names, as torchtitan uses them): a torch
-upgrade that moves them fails here at import with the name, and parallel.cp_kernel=hpctrain avoids it.
+The API is private and experimental in torch 2.13 (underscored names, as torchtitan uses them), and this
+is the one module that touches it (hpctrain.parallel.context imports it only when parallel.cp_kernel=torch
+is chosen): a torch upgrade that moves the names fails here at import with the name, one that changes
+what they do fails tests/test_dispatch.py, and parallel.cp_kernel=hpctrain avoids both.
+
+The change is process-wide: DTensor's op dispatcher gets torch's CP handlers and ours, and torch's ring its
+rotation and load-balance options. It is made once, when this kernel is built (`enable`), and stays on: a
+context manager around the attention call would not cover backward, where autograd dispatches the
+kernel's backward through the same handlers outside any forward scope (torchtitan enables it once per
+process too). No process that does not choose this kernel gets it; `disable` undoes it for a process that
+goes on with other DTensor attention.
 """
 from __future__ import annotations
 
@@ -34,9 +43,8 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-_aten = torch.ops.aten
-_CPU_FLASH = _aten._scaled_dot_product_flash_attention_for_cpu.default
-_CPU_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+from hpctrain.models.attention import CPU_FLASH, CPU_FLASH_BACKWARD
+
 SEQ_DIM = 2  # (batch, heads, seq, head_dim); torch's ring assumes it
 ROTATION = {"allgather": "allgather", "ring": "alltoall"}  # parallel.cp_attention -> torch's rotate method
 # The kernels the ring has handlers for. SDPA's math fallback would run on the DTensors as plain ops: the
@@ -74,7 +82,7 @@ def _cpu_flash(op_call, args, kwargs):
     info, (q, k, v, *rest), kw, spec = _local(op_call, args, kwargs)
     dropout_p = rest[0] if len(rest) > 0 else kw.pop("dropout_p", 0.0)
     is_causal = rest[1] if len(rest) > 1 else kw.pop("is_causal", False)
-    out = _torch_cp._templated_ring_attention(info.compute_mesh.get_group(), SEQ_DIM, _CPU_FLASH, q, k, v,
+    out = _torch_cp._templated_ring_attention(info.compute_mesh.get_group(), SEQ_DIM, CPU_FLASH, q, k, v,
                                               is_causal=is_causal, dropout_p=dropout_p, **kw)
     return _wrap(out, spec)
 
@@ -82,22 +90,26 @@ def _cpu_flash(op_call, args, kwargs):
 def _cpu_flash_backward(op_call, args, kwargs):
     info, (grad, q, k, v, out, lse, dropout_p, is_causal), kw, spec = _local(op_call, args, kwargs)
     grads = _torch_cp._templated_ring_attention_backward(
-        info.compute_mesh.get_group(), SEQ_DIM, _CPU_FLASH_BACKWARD, grad_out=grad, grad_out_name="grad_out",
+        info.compute_mesh.get_group(), SEQ_DIM, CPU_FLASH_BACKWARD, grad_out=grad, grad_out_name="grad_out",
         query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, **kw)
     return _wrap(grads, spec)
 
 
-def _enable(kind: str) -> None:
+# DTensor's handlers for the CPU kernel, beside torch's for CUDA's
+CPU_HANDLERS = {CPU_FLASH: _cpu_flash, CPU_FLASH_BACKWARD: _cpu_flash_backward}
+
+
+def enable(kind: str) -> None:
     """torch's CP dispatcher for this process, with the CPU kernel beside CUDA's."""
     _enable_context_parallel_dispatcher()  # replaces DTensor's custom handlers: ours go in after it
-    DTensor._op_dispatcher._custom_op_handlers.update({_CPU_FLASH: _cpu_flash, _CPU_FLASH_BACKWARD: _cpu_flash_backward})
+    DTensor._op_dispatcher._custom_op_handlers.update(CPU_HANDLERS)
     # Our data layout is torch's head-tail one; its ring must know the chunks are paired.
     _torch_cp._cp_options.enable_load_balance = True
     set_rotate_method(ROTATION[kind])
 
 
 def disable() -> None:
-    """Undo `_enable` for this process: DTensor's SDPA ops dispatch as before (torch's CP handlers and ours
+    """Undo `enable` for this process: DTensor's SDPA ops dispatch as before (torch's CP handlers and ours
     gone). The dispatcher and the rotation are per process, not per kernel: a training process keeps them
     to its end; a process that goes on with other DTensor attention calls this."""
     _disable_context_parallel_dispatcher()
@@ -111,7 +123,7 @@ class TorchContextParallelAttention:
     def __init__(self, cp_mesh, kind: str = "allgather"):
         if kind not in ROTATION:
             raise ValueError(f"parallel.cp_attention={kind}: torch's context parallel rotates by {sorted(ROTATION)}")
-        _enable(kind)
+        enable(kind)
         self.sdpa = parallelize_module(_SDPA(), cp_mesh,
                                        _ContextParallel(seq_dim=SEQ_DIM, attention_type=_ContextParallel.AttentionType.SDPA))
 

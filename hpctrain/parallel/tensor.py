@@ -41,7 +41,8 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
         if hasattr(block, "moe"):
             # Each TP rank routes its own share of the sequence (Megatron's MoE under sequence parallel):
             # the layer takes the sequence-parallel shard as a plain tensor and returns its own, which the
-            # residual add takes as the blocks' outputs are taken (local shards).
+            # residual add takes as the blocks' outputs are taken (local shards). Its routing statistics are
+            # summed over the TP ranks by its token dispatcher (chosen in hpctrain.parallel.apply).
             plan["moe"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True)
         else:
@@ -54,7 +55,6 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
         parallelize_module(block, tp_mesh, plan)
         if hasattr(block, "moe"):
             replicate_params(block.moe, tp_mesh)
-            block.moe.token_group = tp_mesh.get_group()
         if block.attention.q_norm is not None:  # QK-norm weights, applied to each rank's own heads
             replicate_params(block.attention.q_norm, tp_mesh)
             replicate_params(block.attention.k_norm, tp_mesh)
@@ -63,7 +63,7 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
 
 def replicate_params(module: nn.Module, tp_mesh) -> None:
     """Every parameter of `module` as a DTensor replicated over TP. The module computes on each rank's
-    own tokens or heads with the local weight (hpctrain.models.moe.local_weight), whose gradient is then
+    own tokens or heads with the local weight (hpctrain.models.dispatch.local_weight), whose gradient is then
     partial and summed over TP; FSDP2 and the gradient norm see a TP parameter like any other."""
     for sub in module.modules():
         for name, p in list(sub.named_parameters(recurse=False)):

@@ -1,8 +1,9 @@
 """`python -m hpctrain.plan [overrides...] [--top N] [--json PATH] [--png PATH] [--calibrate]`
-`python -m hpctrain.plan --published [--fit [--write]] [--png PATH]`
 
 Composes the config as `python -m hpctrain` does, prices the layout it asks for, then searches every
 layout of the same model, batch and cluster and prints the fastest that fit. No torch: seconds.
+Its calibration against published training runs lives beside the package, in a checkout:
+`python benchmarks/calibration [--fit [--write]] [--png PATH]`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hpctrain.checks.config_checks import document_problems, problems, range_pro
 from hpctrain.core import outdir
 from hpctrain.core.compose import ConfigError, compose
 from hpctrain.core.spec import world_size
-from hpctrain.plan import fit, published as pub, published_moe, verdict as report
+from hpctrain.plan import verdict as report
 from hpctrain.plan.login import world_rule
 from hpctrain.plan.memory import cluster_of, job_of
 from hpctrain.plan.search import Space, search
@@ -27,12 +28,6 @@ USAGE = __doc__ + """
   --json PATH    write plan.json for the requested layout and the best one
   --png PATH     the requested layout and the best few: device memory by kind, and tokens/s
   --calibrate    print predicted vs published TFLOP/s for Megatron-LM's H100 table and exit
-  --published    predicted vs published throughput on every row of hpctrain/plan/published.csv and
-                 published_moe.csv (fit rows and held-out rows apart, worst and median error), then
-                 parallel=auto on a few of those configurations, and exit; with --png PATH, also a
-                 scatter of predicted over published and the held-out errors' histogram
-  --fit          with --published: refit each GPU kind's two efficiencies on the fit rows first and
-                 judge those; --write also writes them into conf/cluster/<kind>.yaml
 """
 
 
@@ -44,7 +39,7 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
         elif a.startswith(("--top=", "--json=", "--png=")):
             k, _, v = a[2:].partition("=")
             opts[k] = v
-        elif a in ("--calibrate", "--published", "--fit", "--write"):
+        elif a == "--calibrate":
             opts[a[2:]] = True
         else:
             rest.append(a)
@@ -57,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    if "--published" in argv:
-        return published(argv)
     try:
         opts, overrides = _options(argv)
         if opts.get("calibrate"):
@@ -113,7 +106,7 @@ def requested(cfg, job):
     login-node checks find). The plan's problems are those of the checks, then its own; those of the
     live Slurm's partition check are marked (Plan.partition: no layout changes them)."""
     found = problems(cfg)
-    if job.knobs.layout.world != world_size(cfg):
+    if job.spec.layout.world != world_size(cfg):
         return None, found
     asked = report.plan(job)
     asked.problems = found + [p for p in asked.problems if p not in found]
@@ -127,44 +120,6 @@ def refuse_outputs(*paths) -> None:
         problem = path and outdir.file_problem(path, report.TOOL)
         if problem:
             raise ValueError(problem)
-
-
-def published(argv: list[str]) -> int:
-    png = _options(argv)[0].get("png")
-    try:
-        refuse_outputs(png)
-    except ValueError as e:
-        print(f"hpctrain.plan: error: {e}", file=sys.stderr)
-        return 2
-    rows = pub.load()
-    use = pub.usable(rows)
-    presets = None
-    if "--fit" in argv:
-        fitted = fit.fit(use)
-        presets = fit.presets_of(fitted)
-        for k, v in fitted.items():
-            print(f"{k}: matmul_efficiency {v['matmul_efficiency']}, attention_efficiency "
-                  f"{v['attention_efficiency']} (fitted on {v['rows']} rows of {', '.join(v['sources'])})")
-        if "--write" in argv:
-            print("wrote " + ", ".join(fit.write(fitted)))
-        print()
-    preds = fit.evaluate(use, presets)
-    print(fit.table(preds))
-    skipped: dict = {}
-    for p in rows:
-        if p.skip:
-            skipped[p.skip] = skipped.get(p.skip, 0) + 1
-    print("rows not priced: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda x: -x[1])))
-    print()
-    moe_rows = published_moe.load()
-    print(published_moe.table(moe_rows))
-    print()
-    print(fit.auto_report(use, presets))
-    if png:
-        from hpctrain.plan.published_plot import save_published_png
-
-        print(f"wrote {save_published_png(preds, moe_rows, png)}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from hpctrain.core.shape import head_dim
 
 def attention_kept(job) -> float:
     """Share of the causal attention the document mask keeps (1: no mask, or no document length known)."""
-    L, s = job.doc_len, job.knobs.seq_len
-    if not job.knobs.document_mask or L <= 0 or s <= 0:
+    L, s = job.doc_len, job.spec.seq_len
+    if not job.spec.document_mask or L <= 0 or s <= 0:
         return 1.0
     r = L / s
     return min(1.0, 2 * r * (1 - r * (1 - math.exp(-1 / r))))
@@ -29,7 +29,7 @@ def attention_kept(job) -> float:
 
 def kv_bytes(job, elem: float) -> float:
     """K and V of one micro-batch's local chunks on one rank (this rank's heads under TP)."""
-    m, lay = job.model, job.knobs.layout
+    m, lay = job.model, job.spec.layout
     return job.tokens * 2 * m.n_kv_heads * head_dim(m) / lay.tp * elem
 
 
@@ -37,11 +37,11 @@ def gathered_kv_bytes(job, elem: float) -> float:
     """What attention holds at once beyond a layer's own K/V: all-gather the whole sequence's K and V
     (and in backward their gradients as well), ring the chunks in flight (received, and in backward
     their gradients too)."""
-    cp = job.knobs.layout.cp
+    cp = job.spec.layout.cp
     if cp <= 1:
         return 0.0
     local = kv_bytes(job, elem)
-    if job.knobs.cp_attention == "ring":
+    if job.spec.cp_attention == "ring":
         return 2 * 2 * local  # K/V being received, and the gradients travelling with them
     return 2 * cp * local  # the gathered K/V and, in backward, their gradients
 
@@ -51,12 +51,12 @@ def cp_collectives(job, coll, elem: float, attn_fwd: float, attn_bwd: float, lay
     """The cp collectives of a stage per step and their exposed seconds per micro-batch. attn_fwd and
     attn_bwd: one layer's attention seconds per micro-batch (what a ring step hides behind). `coll`:
     throughput._coll."""
-    cp, mb = job.knobs.layout.cp, job.microbatches
+    cp, mb = job.spec.layout.cp, job.microbatches
     if cp <= 1:
         return [], 0.0
     local = kv_bytes(job, elem)
     fwd_layers = layers + recomputed
-    if job.knobs.cp_attention == "ring":
+    if job.spec.cp_attention == "ring":
         step_kv = coll(job, "cp", "send_recv", local, (cp - 1) * (fwd_layers + layers) * mb)
         step_grad = coll(job, "cp", "send_recv", local, cp * layers * mb)
         t = step_kv.seconds

@@ -8,13 +8,12 @@ node count goes down until one fits or `launcher.min_nodes` is reached.
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 from hpctrain.checks.config_checks import problems
 from hpctrain.core.compose import ConfigError
 from hpctrain.core.schema import Config
-from hpctrain.core.spec import ranks_per_node
+from hpctrain.core.spec import ranks_per_node, updated
 from hpctrain.plan.login import plan_and_check
 
 
@@ -44,11 +43,8 @@ def shrink(cfg: Config, nodes: int) -> tuple[Config, str]:
     if micro is None:
         raise ConfigError(f"train.global_batch={t.global_batch} does not split over {dp} data-parallel ranks "
                           f"in micro-batches of at most {t.micro_batch}")
-    new = copy.deepcopy(cfg)
-    new.cluster.nodes = nodes
-    new.parallel.dp_replicate = replicate
-    new.parallel.dp_shard = -1
-    new.train.micro_batch = micro
+    new = updated(cfg, {"cluster.nodes": nodes, "parallel.dp_replicate": replicate, "parallel.dp_shard": -1,
+                        "train.micro_batch": micro})
     found = problems(new)
     if found:
         raise ConfigError("; ".join(found))

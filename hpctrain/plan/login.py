@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Sequence
 
 from hpctrain.checks.config_checks import check, compose_checked
-from hpctrain.core.compose import ConfigError, compose
+from hpctrain.core.compose import ConfigError
 from hpctrain.core.schema import Config
-from hpctrain.core.spec import world_size
+from hpctrain.core.spec import overrides_of, updated, world_size
 from hpctrain.plan.memory import job_of
-from hpctrain.plan.search import Space, nearest, overrides, search
+from hpctrain.plan.search import Space, choice, nearest, search
 from hpctrain.plan.verdict import describe, explain, plan, plan_dict, summary
 
 
@@ -49,12 +49,13 @@ def _space(for_launch: bool):
     return Space(offloads=("none",)) if for_launch else Space()
 
 
-def choose_layout(cfg: Config, for_launch: bool) -> list[str]:
-    """Overrides of the fastest layout that fits (parallel=auto)."""
+def choose_layout(cfg: Config, for_launch: bool) -> tuple[Config, list[str]]:
+    """parallel=auto: (the config with the fastest layout that fits, the overrides that select it)."""
     res = search(job_of(cfg), _space(for_launch), world=world_size(cfg))
     if not res.ranked:
         raise ConfigError("parallel=auto: no layout of this model fits this cluster:\n" + explain(res, top=0))
-    return overrides(res.ranked[0].job)
+    changes = {**choice(res.ranked[0].job), "parallel.auto": False}
+    return updated(cfg, changes), overrides_of(changes)
 
 
 def plan_and_check(cfg: Config, for_launch: bool):
@@ -87,8 +88,7 @@ def plan_one(overrides: list[str], show=None):
     if note:
         print(note, flush=True)
     if cfg.parallel.auto and not refused:
-        chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
-        cfg = compose([*overrides, *chosen, "parallel.auto=false"])
+        cfg, chosen = choose_layout(cfg, for_launch=not cfg.dry_run)
         print("parallel=auto chose: " + " ".join(chosen))
     check(cfg, refused)
     if show is not None:  # what is about to be priced, shown even when the plan then refuses it

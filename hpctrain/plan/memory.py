@@ -7,20 +7,22 @@ search can price thousands of layouts at once. `job_of(cfg)` builds it from a co
 from __future__ import annotations
 
 import shutil
+import dataclasses
 from dataclasses import dataclass, field, fields, replace
 
 from hpctrain.core.flops import lora_params, param_counts
 from hpctrain.core.shape import head_dim
-from hpctrain.core.schema import ClusterConfig, Config, ModelConfig
-from hpctrain.core.spec import EngineSpec, Knobs, build, engine_spec, ranks_per_node
+from hpctrain.core.schema import ClusterConfig, Config, LauncherConfig, LauncherName, ModelConfig
+from hpctrain.core.spec import KNOBS, EngineSpec, engine_spec, knob_changes, ranks_per_node, updated
 from hpctrain.plan.context import gathered_kv_bytes
 from hpctrain.plan.moe import (dense_ffn_activation, expert_activation_bytes, expert_params, expert_zero_group,
                                stage_moe_layers)
 
 GiB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
-# Gradients are reduced in fp32 whatever the compute precision (config.TrainConfig.precision).
-REDUCE_BYTES = 4
+# Gradients are kept (and, but with train.reduce_precision=bf16 under FSDP2, reduced) in fp32 whatever
+# the compute precision (hpctrain.core.spec.dtypes).
+GRAD_BYTES = 4
 # The caching allocator rounds and fragments: a share of what comes and goes within a step
 # (activations, transient buffers) stays reserved but unusable.
 FRAGMENTATION = 0.05
@@ -39,10 +41,8 @@ DTENSOR_RUNTIME_BYTES = 4 * 2**20
 
 @dataclass(frozen=True)
 class Job:
-    """One run as the planner prices it: the engine spec (what the engine does with the run's knobs, on
-    the cluster's nodes) and what only the planner needs beside it."""
-    model: ModelConfig
-    cluster: ClusterConfig
+    """One run as the planner prices it: the engine spec (derived from the run's config, its cluster
+    the one the planner prices) and what only the planner needs beside it."""
     spec: EngineSpec
     async_checkpoint: bool = False
     # Whose buffers: "hpctrain" (torch autograd's gradient accumulation, torch.distributed.pipelining's
@@ -59,12 +59,24 @@ class Job:
     doc_len: float = 0.0
 
     @classmethod
-    def of(cls, model: ModelConfig, cluster: ClusterConfig, knobs: Knobs, **planner) -> "Job":
-        return cls(model=model, cluster=cluster, spec=spec_on(model, cluster, knobs), **planner)
+    def of(cls, model: ModelConfig, cluster: ClusterConfig, **knobs) -> "Job":
+        """A job of `model` on `cluster` without a composed config (published runs, tests): the schema's
+        defaults with these knobs (hpctrain.core.spec.KNOBS; `layout=Layout(...)`) and planner fields."""
+        planner = {k: knobs.pop(k) for k in list(knobs) if k in PLANNER}
+        missing = [k for k in ("layout", "global_batch", "seq_len") if k not in knobs]
+        if missing:
+            raise TypeError(f"Job.of needs {', '.join(missing)}: a job without them prices the schema's defaults")
+        knobs = {"precision": "bf16", "micro_batch": 1, **knobs}  # GPU runs train in bf16; one sequence unless given
+        cfg = Config(model=model, cluster=cluster, launcher=LauncherConfig(name=LauncherName("sbatch")))
+        return cls(spec=spec_on(updated(cfg, knob_changes(**knobs))), **planner)
 
     @property
-    def knobs(self) -> Knobs:
-        return self.spec.knobs
+    def model(self) -> ModelConfig:
+        return self.spec.config.model
+
+    @property
+    def cluster(self) -> ClusterConfig:
+        return self.spec.config.cluster
 
     @property
     def world(self) -> int:
@@ -73,7 +85,7 @@ class Job:
     @property
     def tokens(self) -> float:
         """Tokens of one micro-batch on one rank: 1/cp of its sequences under context parallelism."""
-        return self.knobs.micro_batch * self.knobs.seq_len / self.knobs.layout.cp
+        return self.spec.micro_batch * self.spec.seq_len / self.spec.layout.cp
 
     @property
     def autocast(self) -> bool:
@@ -111,19 +123,23 @@ class Job:
         return p.holds_output(stage) if p else True
 
     def with_(self, **kw) -> "Job":
-        """This job with other knobs (zero=1, layout=...), model, cluster or planner fields."""
-        knobs = {k: kw.pop(k) for k in list(kw) if k in KNOBS}
-        model, cluster = kw.pop("model", self.model), kw.pop("cluster", self.cluster)
-        return replace(self, model=model, cluster=cluster, spec=spec_on(model, cluster, replace(self.knobs, **knobs)),
-                       **kw)
+        """This job with other knobs (zero=1, layout=...: hpctrain.core.spec.KNOBS), model, cluster or
+        planner fields."""
+        changes = knob_changes(**{k: kw.pop(k) for k in list(kw) if k in KNOBS or k == "layout"})
+        cfg = self.spec.config
+        if "model" in kw or "cluster" in kw:
+            cfg = dataclasses.replace(cfg, model=kw.pop("model", cfg.model), cluster=kw.pop("cluster", cfg.cluster))
+        return replace(self, spec=spec_on(updated(cfg, changes)), **kw)
 
 
-KNOBS = frozenset(f.name for f in fields(Knobs))
+PLANNER = frozenset(f.name for f in fields(Job)) - {"spec"}
 
 
-def spec_on(model: ModelConfig, cluster: ClusterConfig, knobs: Knobs) -> EngineSpec:
-    """The engine spec of `knobs` on the cluster's nodes."""
-    return build(model, knobs, nodes=cluster.nodes, ranks_per_node=ranks_per_node(cluster), device=str(cluster.device))
+def spec_on(cfg: Config) -> EngineSpec:
+    """The engine spec of a planner's config: on the ranks its layout names (the search's layouts name
+    every degree), on the cluster's nodes."""
+    p = cfg.parallel
+    return engine_spec(cfg, p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp if p.dp_shard > 0 else None)
 
 
 def job_of(cfg: Config, world: int | None = None) -> Job:
@@ -133,8 +149,11 @@ def job_of(cfg: Config, world: int | None = None) -> Job:
     if (cluster.nodes, ranks_per_node(cluster)) != (spec.nodes, spec.ranks_per_node):
         cluster = replace(cluster, nodes=spec.nodes, tasks_per_node=spec.ranks_per_node,
                           gpus_per_node=spec.ranks_per_node if cluster.gpus_per_node else 0)
-    return Job.of(cfg.model, cluster, spec.knobs, async_checkpoint=bool(cfg.checkpoint.async_save),
-                  doc_len=mean_document_length(cfg))
+    if spec.layout.dp_shard >= 1:  # the layout as resolved on `world` ranks: the search's changes keep it
+        cfg = updated(cfg, knob_changes(layout=spec.layout))
+    if cluster is not cfg.cluster or spec.config is not cfg:
+        spec = engine_spec(dataclasses.replace(cfg, cluster=cluster), world)
+    return Job(spec=spec, async_checkpoint=bool(cfg.checkpoint.async_save), doc_len=mean_document_length(cfg))
 
 
 def mean_document_length(cfg: Config) -> float:
@@ -187,7 +206,7 @@ class StageParams:
 
 
 def stage_params(job: "Job", stage: int) -> StageParams:
-    m, tp = job.model, job.knobs.layout.tp
+    m, tp = job.model, job.spec.layout.tp
     c = param_counts(m)
     layers = job.stage_layers(stage)
     n_moe = stage_moe_layers(job, stage)
@@ -199,7 +218,7 @@ def stage_params(job: "Job", stage: int) -> StageParams:
     # Under expert parallel the experts are an FSDP unit of their own (hpctrain.parallel.data_parallel);
     # without it they belong to their block's.
     per_layer = experts / max(1, n_moe)
-    moe_units = [moe_block, per_layer] if job.knobs.layout.ep > 1 else [moe_block + per_layer]
+    moe_units = [moe_block, per_layer] if job.spec.layout.ep > 1 else [moe_block + per_layer]
     units = ([block] if layers > n_moe else []) + (moe_units if n_moe else [])
     total = (layers - n_moe) * block + n_moe * moe_block + experts
     if job.first(stage):
@@ -207,7 +226,7 @@ def stage_params(job: "Job", stage: int) -> StageParams:
         total += c["embedding"] / tp
     if job.last(stage):
         # Tied embeddings on one stage share a tensor; across stages each end holds a copy.
-        out = c["embedding"] if (m.tie_embeddings and job.knobs.layout.pp > 1) else c["output"]
+        out = c["embedding"] if (m.tie_embeddings and job.spec.layout.pp > 1) else c["output"]
         units.append(out / tp + m.dim)
         total += out / tp + m.dim
     # LoRA adapters beside the frozen weights (hpctrain.models.lora), in proportion to the stage's blocks
@@ -290,7 +309,7 @@ def stream_bytes(job: "Job") -> int:
     """Bytes per element of a parameter outside FSDP, and so of its gradient and of the residual stream
     the embedding starts (what crosses a pipeline boundary): fp32 under autocast, whose parameters are
     fp32; else the compute precision."""
-    return 4 if job.autocast else BYTES[job.knobs.precision]
+    return 4 if job.autocast else BYTES[job.spec.precision]
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, stage: int = 0) -> float:
@@ -354,12 +373,12 @@ def activations(job: Job, stage: int) -> dict:
     """Activation bytes of stage `stage` at their most (in_flight micro-batches): saved tensors of the
     in-flight micro-batches, the one block being recomputed, and the output layer's inputs on the last
     stage. Whether all of them are alive together with the gradients is decided in stage_memory."""
-    m, lay, pr = job.model, job.knobs.layout, job.knobs.precision
+    m, lay, pr = job.model, job.spec.layout, job.spec.precision
     tokens = job.tokens
     layers = job.stage_layers(stage)
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
     full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
-    ckpt = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
+    ckpt = checkpointed_layers(job.spec.ac, layers, job.spec.ac_every)
     n_moe = stage_moe_layers(job, stage)
     if n_moe:  # MoE blocks save their experts' rows instead of a SwiGLU's (mean over the stage's blocks)
         moe_full = full - tokens * dense_ffn_activation(job, BYTES[pr]) + expert_activation_bytes(job, tokens, BYTES[pr])
@@ -371,7 +390,7 @@ def activations(job: Job, stage: int) -> dict:
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
         per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
                                     + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
-    held = in_flight(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
+    held = in_flight(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
 
 
@@ -408,32 +427,38 @@ class Memory:
         return not self.problems
 
 
+def reduce_bytes(job: Job) -> int:
+    """Bytes of a gradient element as it is reduced, and as FSDP2 accumulates it unsharded between
+    reductions: train.reduce_precision's dtype (spec.dtypes.reduce)."""
+    return 2 if job.spec.dtypes.reduce == "bfloat16" else GRAD_BYTES
+
+
 def transients(job: Job, sp: StageParams) -> dict:
     """Buffers that live for part of a step on top of state and saved activations."""
-    m, lay = job.model, job.knobs.layout
-    pb = BYTES[job.knobs.precision]
+    m, lay = job.model, job.spec.layout
+    pb = BYTES[job.spec.precision]
     out = {}
-    if job.knobs.zero == 2 and job.zero_group > 1 and not job.params_on_host:
+    if job.spec.zero == 2 and job.zero_group > 1 and not job.params_on_host:
         # FSDP2 without resharding after forward: the gathered parameters (the model state's
         # "params") live from the forward to the end of the backward next to the rank's own shard.
         out["param_shards"] = pb * sp.total / job.zero_group
-    if job.knobs.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
+    if job.spec.zero >= 3 and job.zero_group > 1 and not job.spec.sharding.reshard_after_forward:
         # Under pipelining ZeRO-3 does not reshard after forward (hpctrain.core.spec.sharding): a block
         # gathered for a micro-batch's forward stays gathered until its backward, and a stage runs
         # every block's forward before its first backward, so the whole stage is gathered at the peak.
         out["gathered_params"] = pb * sp.total
-        out["fsdp_buffers"] = sp.largest_unit * REDUCE_BYTES
-    elif job.knobs.zero >= 3 and job.zero_group > 1:
+        out["fsdp_buffers"] = sp.largest_unit * reduce_bytes(job)
+    elif job.spec.zero >= 3 and job.zero_group > 1:
         # FSDP all-gathers the current unit and prefetches the next one, and reduce-scatters a
         # unit's gradient in fp32 (the largest unit, often the vocabulary-sized output layer).
-        out["fsdp_buffers"] = sp.largest_unit * (2 * pb + REDUCE_BYTES * trained_share(job, sp))
-    elif job.knobs.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient in fp32
-        out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
+        out["fsdp_buffers"] = sp.largest_unit * (2 * pb + reduce_bytes(job) * trained_share(job, sp))
+    elif job.spec.zero == 2 and job.zero_group > 1:  # reduce-scatters a unit's gradient (fp32 by default)
+        out["reduce_buffers"] = sp.largest_unit * reduce_bytes(job)
     if job.spec.data_parallel in ("replicate", "replicate_zero1"):
         # FSDP2's replicate (ZeRO-0/1 with TP or PP) all-reduces each block's gradient in one fp32
         # buffer as the backward passes it: no persistent buckets.
-        out["reduce_buffers"] = sp.largest_unit * REDUCE_BYTES
-    elif job.knobs.zero <= 1 and lay.dp > 1:
+        out["reduce_buffers"] = sp.largest_unit * reduce_bytes(job)
+    elif job.spec.zero <= 1 and lay.dp > 1:
         # DDP's reducer (ZeRO-0, and ZeRO-1's ZeroRedundancyOptimizer over DDP) allocates one flat
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
@@ -468,7 +493,7 @@ def pipeline_buffers(job: Job, stage: int) -> float:
     if p is None or job.engine != "hpctrain":
         return 0.0
     inputs = sum(1 for s in p.stage_ids(stage) if s != 0)
-    saved = min(in_flight(job.knobs.schedule, job.knobs.layout.pp, job.microbatches, job.knobs.virtual_stages, stage) * inputs,
+    saved = min(in_flight(job.spec.schedule, job.spec.layout.pp, job.microbatches, job.spec.virtual_stages, stage) * inputs,
                 inputs * job.microbatches)
     return boundary_bytes(job) * (pipeline_receives(job, stage) - saved)
 
@@ -484,7 +509,7 @@ def pipeline_receives(job: Job, stage: int) -> int:
 
 def boundary_bytes(job: Job) -> float:
     """What crosses a pipeline boundary per micro-batch: the residual stream, sequence-parallel."""
-    tp = job.knobs.layout.tp if job.sequence_parallel else 1
+    tp = job.spec.layout.tp if job.sequence_parallel else 1
     return job.tokens * job.model.dim / tp * stream_bytes(job)
 
 
@@ -504,7 +529,7 @@ def accumulation_transient(job: Job, sp: StageParams, per_microbatch: float) -> 
     if (job.engine != "hpctrain" or job.microbatches == 1 or job.spec.data_parallel not in ("ddp", "zero1")
             or job.spec.lora):  # frozen weights get no gradient; an adapter's second one is negligible
         return 0.0
-    m, tp = job.model, job.knobs.layout.tp
+    m, tp = job.model, job.spec.layout.tp
     largest = m.dim * max(m.ffn_dim, m.n_heads * head_dim(m)) / tp if sp.layers else 0.0
     if job.last(sp.stage):
         largest = max(largest, m.vocab_size * m.dim / tp)
@@ -522,12 +547,12 @@ def all_reduce_buffers(job: Job, sp: StageParams) -> float:
     gradients themselves; after that they come beside them: one more fp32 gradient of the stage, of
     the shard's size. Reducing once per step (parallel.grad_sync=step) the one reduction's buffers
     become the gradients."""
-    fsdp_all_reduce = (job.knobs.zero >= 2 and job.knobs.layout.dp_replicate > 1
+    fsdp_all_reduce = (job.spec.zero >= 2 and job.spec.layout.dp_replicate > 1
                        or job.spec.data_parallel in ("replicate", "replicate_zero1"))
     if (job.engine != "hpctrain" or not fsdp_all_reduce or job.microbatches == 1 or job.params_on_host
             or job.spec.grad_sync != "microbatch"):
         return 0.0
-    return REDUCE_BYTES * sp.trained(job) / max(1, job.zero_group)
+    return reduce_bytes(job) * sp.trained(job) / max(1, job.zero_group)
 
 
 def cast_weight_grads(job: Job, extra: dict) -> float:
@@ -550,9 +575,9 @@ def accumulated_grads(job: Job, sp: StageParams) -> float:
     gradients, unsharded, from the first backward to the end of the last. FSDP2's replicate (ZeRO-0/1
     with TP or PP) accumulates the same way, and its all-reduce writes each gradient anew beside it."""
     replicate = job.spec.data_parallel in ("replicate", "replicate_zero1")
-    if not (job.knobs.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
+    if not (job.spec.zero >= 2 and job.zero_group > 1 or replicate) or job.microbatches == 1 or job.params_on_host:
         return 0.0
-    return REDUCE_BYTES * sp.trained(job) if job.spec.grad_sync == "step" else 0.0
+    return reduce_bytes(job) * sp.trained(job) if job.spec.grad_sync == "step" else 0.0
 
 
 def trained_share(job: Job, sp: StageParams) -> float:
@@ -563,31 +588,31 @@ def lora_state(job: Job, sp: StageParams) -> tuple[dict, dict]:
     """Model state under LoRA: the adapters' as model_state prices any trained parameters, and the
     frozen weights alone (no gradient, master copy or moments), kept in the compute dtype
     (hpctrain.models.lora.store_frozen_as) and sharded by ZeRO-3 (routed experts over their own group)."""
-    dev, off = model_state(sp.adapters, job.knobs.precision, job.knobs.zero, job.zero_group, job.knobs.offload,
+    dev, off = model_state(sp.adapters, job.spec.precision, job.spec.zero, job.zero_group, job.spec.offload,
                            job.params_on_host, job.autocast)
-    frozen_bytes = BYTES[job.knobs.precision]
-    shard = job.zero_group if job.knobs.zero >= 3 else 1
-    eshard = expert_zero_group(job) if job.knobs.zero >= 3 else 1
+    frozen_bytes = BYTES[job.spec.precision]
+    shard = job.zero_group if job.spec.zero >= 3 else 1
+    eshard = expert_zero_group(job) if job.spec.zero >= 3 else 1
     frozen = (sp.total - sp.adapters - sp.experts) / max(1, shard) + sp.experts / max(1, eshard)
     if job.params_on_host:  # FSDP2's CPU offload: the shards on the host, gathered on the device
         off["params_frozen"] = frozen_bytes * frozen
-        frozen = 0.0 if job.knobs.zero >= 3 else sp.total - sp.adapters
+        frozen = 0.0 if job.spec.zero >= 3 else sp.total - sp.adapters
     dev["params"] = dev.get("params", 0.0) + frozen_bytes * frozen
     return dev, off
 
 
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     """(device bytes by kind, host bytes by kind, NVMe bytes) for one rank of `stage`."""
-    lay = job.knobs.layout
+    lay = job.spec.layout
     sp = stage_params(job, stage)
     if job.spec.lora:
         dev, off = lora_state(job, sp)
     else:
-        dev, off = model_state(sp.total - sp.experts, job.knobs.precision, job.knobs.zero, job.zero_group,
-                               job.knobs.offload, job.params_on_host, job.autocast)
+        dev, off = model_state(sp.total - sp.experts, job.spec.precision, job.spec.zero, job.zero_group,
+                               job.spec.offload, job.params_on_host, job.autocast)
     if sp.experts and not job.spec.lora:  # routed experts: sharded over what expert parallel leaves of the data-parallel ranks
-        e_dev, e_off = model_state(sp.experts, job.knobs.precision, job.knobs.zero, expert_zero_group(job),
-                                   job.knobs.offload, job.params_on_host, job.autocast)
+        e_dev, e_off = model_state(sp.experts, job.spec.precision, job.spec.zero, expert_zero_group(job),
+                                   job.spec.offload, job.params_on_host, job.autocast)
         dev = {k: dev.get(k, 0.0) + e_dev.get(k, 0.0) for k in {**dev, **e_dev}}
         off = {k: off.get(k, 0.0) + e_off.get(k, 0.0) for k in {**off, **e_off}}
     acts = activations(job, stage)
@@ -595,11 +620,11 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,
     # the last one's logits, no gradients yet: they are None between steps) and the rest of the step
     # (the gradients with the micro-batches still or again in flight, logits if a forward runs then).
-    held = in_flight(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
-    held_g = in_flight_with_grads(job.knobs.schedule, lay.pp, job.microbatches, job.knobs.virtual_stages, stage)
+    held = in_flight(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
+    held_g = in_flight_with_grads(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
     logits = extra.pop("logits", 0.0)
     accum = accumulated_grads(job, sp)
-    if accum and job.knobs.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
+    if accum and job.spec.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
     second = accumulation_transient(job, sp, acts["activations"] / held)
     # A third: the end of a backward that follows another, with every unit's all-reduce buffer beside
@@ -644,20 +669,20 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     churn = sum(v for k, v in dev.items() if k not in persistent)
     dev["fragmentation"] = FRAGMENTATION * churn
     dev["runtime_reserve"] = job.cluster.runtime_reserve_gb * GiB
-    if job.cluster.device == "cpu" and (lay.tp > 1 or job.knobs.zero >= 2):
+    if job.cluster.device == "cpu" and (lay.tp > 1 or job.spec.zero >= 2):
         dev["dtensor_runtime"] = float(DTENSOR_RUNTIME_BYTES)
     host = {"process": float(HOST_BASE_BYTES[str(job.cluster.device)])}
     nvme = 0.0
     off = {k: v for k, v in off.items() if v}
-    if job.knobs.offload == "cpu":
+    if job.spec.offload == "cpu":
         host.update(off)
-    elif job.knobs.offload == "nvme":
+    elif job.spec.offload == "nvme":
         nvme = off.pop("master", 0.0) + off.pop("moments")
         host.update(off)
         # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
         host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
     if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
-        state = dict(model_state(sp.total, job.knobs.precision, job.knobs.zero, job.zero_group, "none",
+        state = dict(model_state(sp.total, job.spec.precision, job.spec.zero, job.zero_group, "none",
                                  autocast=job.autocast)[0])
         host["checkpoint_staging"] = state["params"] + state["master"] + state["moments"]
     return dev, host, nvme
@@ -699,9 +724,9 @@ def memory_problems(job: Job, mem: Memory) -> list[str]:
     if mem.host_per_node > mem.host_limit:
         out.append(f"host memory: {gib(mem.host_per_node)} per node > {gib(mem.host_limit)} "
                    f"(cluster.host_mem_gb). Fix: offload.target=nvme or more ranks to shard over")
-    if job.knobs.offload == "nvme" and not mem.nvme_limit:
+    if job.spec.offload == "nvme" and not mem.nvme_limit:
         out.append("NVMe: this cluster has none for offloaded state (cluster.nvme_gb=0). Fix: offload.target=cpu")
-    elif job.knobs.offload == "nvme" and mem.nvme_per_node > mem.nvme_limit:
+    elif job.spec.offload == "nvme" and mem.nvme_per_node > mem.nvme_limit:
         out.append(f"NVMe: {gib(mem.nvme_per_node)} per node > {gib(mem.nvme_limit)} (cluster.nvme_gb). "
                    "Fix: offload.target=cpu or more nodes")
     return out
@@ -710,22 +735,22 @@ def memory_problems(job: Job, mem: Memory) -> list[str]:
 def _memory_fix(job: Job, big: str) -> str:
     if big == "pipeline_buffers":  # one per micro-batch, per direction, per stage a rank runs
         fixes = ["fewer micro-batches a step (a larger train.micro_batch or a smaller train.global_batch)"]
-        if job.knobs.virtual_stages > 1:
+        if job.spec.virtual_stages > 1:
             fixes.append("fewer parallel.pp_virtual_stages")
         return "Fix: " + ", ".join(fixes + ["more parallel.tp"])
     if big in ("weight_casts", "cast_grads"):  # autocast's bf16 copies of fp32 weights; FSDP2 gathers bf16 unit by unit
         return "Fix: parallel.zero=3 (FSDP2 keeps no bf16 copy of the whole stage) or more parallel.tp/pp"
     if big in ("activations", "recompute", "logits"):
         fixes = []
-        if job.knobs.ac != "full":
+        if job.spec.ac != "full":
             fixes.append("parallel.ac=full")
-        if job.knobs.micro_batch > 1:
+        if job.spec.micro_batch > 1:
             fixes.append("a smaller train.micro_batch")
         fixes.append("more parallel.tp or parallel.pp")
         return "Fix: " + ", ".join(fixes)
-    if job.knobs.zero < 3:
-        return f"Fix: parallel.zero={job.knobs.zero + 1} or more data-parallel ranks"
-    if job.knobs.offload == "none":
+    if job.spec.zero < 3:
+        return f"Fix: parallel.zero={job.spec.zero + 1} or more data-parallel ranks"
+    if job.spec.offload == "none":
         return "Fix: offload.target=cpu, more ranks, or more parallel.tp/pp"
     return "Fix: more ranks, or more parallel.tp/pp"
 

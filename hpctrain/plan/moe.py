@@ -32,7 +32,7 @@ def stage_moe_layers(job, stage: int) -> int:
 def folded(job) -> bool:
     """Expert parallel laid out innermost, over the tensor-parallel ranks first (Megatron-Core's folding:
     its runs, and any ep more than the data-parallel ranks give)."""
-    lay = job.knobs.layout
+    lay = job.spec.layout
     return lay.ep > 1 and (job.engine == "megatron" or lay.dp_shard % lay.ep != 0)
 
 
@@ -40,7 +40,7 @@ def expert_zero_group(job) -> int:
     """Ranks each expert's weights are sharded over by ZeRO: what ep leaves of dp_shard (efsdp) times the
     cp ranks (hpctrain.distributed.mesh), or what it leaves of tp x dp x cp under folding (Megatron-Core:
     ep x etp x edp = tp x cp x dp)."""
-    lay = job.knobs.layout
+    lay = job.spec.layout
     if lay.ep <= 1:
         return job.zero_group
     if folded(job):
@@ -54,7 +54,7 @@ def expert_params(job, stage: int) -> float:
     if not layers:
         return 0.0
     c = param_counts(job.model)
-    return layers * job.model.moe.experts * c["expert"] / max(1, job.knobs.layout.ep) / job.expert_tp
+    return layers * job.model.moe.experts * c["expert"] / max(1, job.spec.layout.ep) / job.expert_tp
 
 
 def expert_activation_bytes(job, tokens: int, elem: int) -> float:
@@ -66,7 +66,7 @@ def expert_activation_bytes(job, tokens: int, elem: int) -> float:
     m = job.model
     e, f = m.moe, expert_ffn(m) / job.expert_tp
     rows = routed_rows(job, tokens)
-    shared = 3 * e.shared_experts * expert_ffn(m) / job.knobs.layout.tp
+    shared = 3 * e.shared_experts * expert_ffn(m) / job.spec.layout.tp
     per_row = 3 * m.dim + 3 * f
     return (rows * per_row + tokens * (shared + m.dim)) * elem + tokens * e.experts * 4 * 2
 
@@ -74,7 +74,7 @@ def expert_activation_bytes(job, tokens: int, elem: int) -> float:
 def dense_ffn_activation(job, elem: int) -> float:
     """The dense SwiGLU's share of layer_activation_bytes per token (3 x ffn / tp), which an MoE layer
     replaces by expert_activation_bytes."""
-    return 3 * job.model.ffn_dim / job.knobs.layout.tp * elem
+    return 3 * job.model.ffn_dim / job.spec.layout.tp * elem
 
 
 def routed_rows(job, tokens: int) -> float:
@@ -82,7 +82,7 @@ def routed_rows(job, tokens: int) -> float:
     its tokens are 1/tp of the micro-batch's under tensor parallel (sequence parallel hands each TP rank
     its share of the sequence, which it dispatches on its own)."""
     e = job.model.moe
-    return tokens / job.knobs.layout.tp * e.top_k * e.imbalance
+    return tokens / job.spec.layout.tp * e.top_k * e.imbalance
 
 
 def expert_time(job, hw, tokens: int, swiglu_bytes: float = 6.0) -> dict:
@@ -91,7 +91,7 @@ def expert_time(job, hw, tokens: int, swiglu_bytes: float = 6.0) -> dict:
     cluster's grouped-GEMM efficiency, the shared experts (tensor-parallel as a dense MLP), and the
     memory traffic of permuting the rows and of the SwiGLU (`swiglu_bytes` per element)."""
     m = job.model
-    e, lay = m.moe, job.knobs.layout
+    e, lay = m.moe, job.spec.layout
     f = expert_ffn(m) / job.expert_tp
     local = max(1, e.experts // max(1, lay.ep))
     rows = routed_rows(job, tokens)
@@ -113,5 +113,5 @@ def dispatch_bytes(job, tokens: int, elem: int) -> float:
 def ep_link(job) -> tuple[int, int]:
     """(size, stride) of an expert-parallel group in the mesh: the innermost ep of dp_shard (stride tp),
     or under folding the tp ranks and beyond (stride 1)."""
-    lay = job.knobs.layout
+    lay = job.spec.layout
     return (lay.ep, 1) if folded(job) else (lay.ep, lay.tp)

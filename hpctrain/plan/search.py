@@ -7,9 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from hpctrain.checks.config_checks import cp_fallback_problem
+from hpctrain.core import rules
 from hpctrain.plan.memory import Job, Memory, memory
-from hpctrain.core.spec import ZERO_STAGES, Layout, ranks_per_node
+from hpctrain.core.spec import ZERO_STAGES, Layout, knob_changes, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
 from hpctrain.core.schema import ClusterConfig
 
@@ -59,74 +59,40 @@ class SearchResult:
 
 
 def knobs(job: Job) -> dict:
-    lay = job.knobs.layout
+    """The layout's knobs as the search sets them (hpctrain.core.spec.KNOBS names), the resolved values
+    where a choice has an automatic one: what `nearest` compares and what parallel=auto applies."""
+    sp, lay = job.spec, job.spec.layout
     return {"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "ep": lay.ep,
-            "cp": lay.cp,
-            "zero": job.knobs.zero, "offload": job.knobs.offload, "ac": job.knobs.ac, "micro_batch": job.knobs.micro_batch,
-            "schedule": job.knobs.schedule if lay.pp > 1 else "-",
-            "virtual_stages": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
-            "grad_sync": job.spec.grad_sync,
+            "cp": lay.cp, "zero": sp.zero, "offload": sp.offload, "ac": sp.ac, "micro_batch": sp.micro_batch,
+            "schedule": sp.schedule if lay.pp > 1 else "-",
+            "virtual_stages": sp.virtual_stages if sp.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
+            "grad_sync": sp.grad_sync,
             # Blocks per stage, automatic or parallel.pp_layers: equal splits compare equal either way.
-            "pp_layers": list(job.spec.pipeline.layers) if job.spec.pipeline else []}
+            "pp_layers": list(sp.pipeline.layers) if sp.pipeline else []}
 
 
-def overrides(job: Job) -> list[str]:
-    """The command-line overrides that select this layout."""
-    k = knobs(job)
-    out = [f"parallel.tp={k['tp']}", f"parallel.pp={k['pp']}", f"parallel.dp_replicate={k['dp_replicate']}",
-           f"parallel.dp_shard={k['dp_shard']}", *([f"parallel.ep={k['ep']}"] if job.model.moe.experts else []),
-           *([f"parallel.cp={k['cp']}", f"parallel.cp_attention={job.knobs.cp_attention}"] if k["cp"] > 1 else []),
-           f"parallel.zero={k['zero']}", f"parallel.ac={k['ac']}",
-           f"train.micro_batch={k['micro_batch']}", f"offload.target={k['offload']}"]
-    if job.knobs.ac == "selective":
-        out.append(f"parallel.ac_every={job.knobs.ac_every}")
-    if job.knobs.zero >= 2 and job.knobs.layout.pp == 1:
-        out.append(f"parallel.grad_sync={job.spec.grad_sync}")
-    if job.knobs.layout.pp > 1:
-        out.append(f"parallel.pp_schedule={job.knobs.schedule}")
-        if job.knobs.schedule == "interleaved_1f1b":
-            out.append(f"parallel.pp_virtual_stages={job.knobs.virtual_stages}")
-        if job.knobs.pp_layers:
-            out.append(f"parallel.pp_layers=[{','.join(map(str, job.knobs.pp_layers))}]")
-    return out
+def choice(job: Job) -> dict:
+    """{config key: value} that selects this layout on top of the config it was searched from: the
+    knobs the search varies (hpctrain.core.spec.updated applies it; overrides_of writes it out)."""
+    sp, lay = job.spec, job.spec.layout
+    chosen = dict(layout=lay, zero=sp.zero, offload=sp.offload, ac=sp.ac, micro_batch=sp.micro_batch)
+    if sp.ac == "selective":
+        chosen["ac_every"] = sp.ac_every
+    if lay.cp > 1:
+        chosen["cp_attention"] = sp.cp_attention
+    # the resolved grad_sync and the split asked for, always: a user's grad_sync=microbatch or pp_layers
+    # would not fit another pipeline degree
+    chosen.update(grad_sync=sp.grad_sync, pp_layers=list(sp.pp_layers))
+    if lay.pp > 1:
+        chosen["schedule"] = sp.schedule
+        if sp.schedule == "interleaved_1f1b":
+            chosen["virtual_stages"] = sp.virtual_stages
+    return knob_changes(**chosen)
 
 
 def layout_problems(job: Job) -> list[tuple[str, str]]:
-    """(short reason, message) for what keeps a layout from running at all, before memory."""
-    m, lay = job.model, job.knobs.layout
-    out = []
-    for key in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(m, key) % lay.tp:
-            out.append((f"model.{key} % tp", f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={lay.tp}"))
-    if lay.cp > 1 and job.knobs.seq_len % (2 * lay.cp):
-        out.append(("cp", f"parallel.cp={lay.cp} needs data.seq_len={job.knobs.seq_len} divisible by {2 * lay.cp}"))
-    fallback = cp_fallback_problem(job.spec, m.n_heads)
-    if fallback:
-        out.append(("cp on CUDA with hpctrain's kernel (unpriced)", fallback))
-    if lay.ep > 1 and (job.knobs.zero < 2 or lay.dp_shard % lay.ep or m.moe.experts % lay.ep):
-        out.append(("ep", f"parallel.ep={lay.ep} needs parallel.zero >= 2 and to divide dp_shard={lay.dp_shard} "
-                          f"and model.moe.experts={m.moe.experts}"))
-    # Layers need not divide into stages (hpctrain.core.spec.split_layers splits them unevenly); every stage
-    # but the first and the last needs a block.
-    stages = job.spec.pipeline.stages if job.spec.pipeline else 1
-    if stages > m.n_layers + 2:
-        out.append(("stages > n_layers + 2",
-                    f"parallel.pp={lay.pp} with schedule {job.knobs.schedule} makes {stages} stages, more than "
-                    f"model.n_layers={m.n_layers} blocks + the embedding and the output layer"))
-    if lay.dp < 1 or job.knobs.global_batch % (lay.dp * job.knobs.micro_batch):
-        out.append(("global_batch % (dp x micro_batch)",
-                    f"train.global_batch={job.knobs.global_batch} is not divisible by data-parallel ranks "
-                    f"({lay.dp}) x train.micro_batch={job.knobs.micro_batch}"))
-    if lay.pp > 1 and lay.dp >= 1 and job.microbatches < lay.pp:
-        out.append(("micro-batches < pp", f"{job.microbatches} micro-batches per step for parallel.pp={lay.pp}: "
-                                          "a pipeline needs at least pp micro-batches"))
-    if lay.pp > 1 and job.knobs.schedule == "interleaved_1f1b":
-        if job.microbatches % lay.pp:
-            out.append(("interleaved: micro-batches % pp",
-                        f"interleaved 1F1B needs micro-batches ({job.microbatches}) to be a multiple of pp={lay.pp}"))
-    if job.knobs.offload != "none" and job.knobs.zero < 1:
-        out.append(("offload needs zero >= 1", f"offload.target={job.knobs.offload} needs parallel.zero >= 1"))
-    return out
+    """(short reason, message) for what keeps a layout from running at all, before memory: the rule book."""
+    return [(p.reason, p.message) for p in rules.problems(job.spec)]
 
 
 def evaluate(job: Job, sw: Software = HPCTRAIN) -> Candidate:
@@ -188,7 +154,7 @@ def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iter
     if base.model.moe.experts and not space.experts:
         space = replace(space, experts=base.model.moe.experts)
     if not space.seq_len:
-        space = replace(space, seq_len=base.knobs.seq_len)
+        space = replace(space, seq_len=base.spec.seq_len)
     for lay, zero in layouts(base.cluster, world or base.world, space):
         scheds = [(s, v) for s in space.schedules for v in (space.virtual_stages if s == "interleaved_1f1b" else (1,))]
         for offload in (space.offloads if zero >= 1 else ("none",)):

@@ -2,7 +2,7 @@
 dimension, pipeline bubble, optimizer step; then tokens/s, TFLOP/s per GPU and MFU. Pure arithmetic.
 
 Hardware figures come from the cluster config (conf/cluster/*.yaml): datasheet numbers, plus two
-efficiencies per GPU kind fitted on published runs (`python -m hpctrain.plan --published --fit`,
+efficiencies per GPU kind fitted on published runs (`python benchmarks/calibration --fit`,
 docs/published_runs.md): the share of peak a large GEMM sustains and the share flash attention
 sustains. Everything else is structure: a GEMM's time follows its shape (a roofline over its operands,
 so thin GEMMs of small micro-batches or high TP run slower per FLOP), attention follows head dimension
@@ -20,7 +20,7 @@ from hpctrain.core.shape import expert_ffn, head_dim, moe_layer_count
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.context import attention_kept, cp_collectives
 from hpctrain.plan.moe import dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, stage_moe_layers
-from hpctrain.plan.memory import (BYTES, REDUCE_BYTES, Job, checkpointed_layers, pipeline_ranks,
+from hpctrain.plan.memory import (BYTES, GRAD_BYTES, Job, checkpointed_layers, pipeline_ranks, reduce_bytes,
                                   stage_params, stream_bytes)
 from hpctrain.core.schema import ClusterConfig
 
@@ -144,10 +144,10 @@ class Hardware:
     def of(cls, job: Job) -> "Hardware":
         c = job.cluster
         # peak_tflops is the bf16 tensor-core peak; fp32 matmuls on GPUs run as TF32 at half of it.
-        scale = 0.5 if (job.knobs.precision == "fp32" and c.device == "cuda") else 1.0
+        scale = 0.5 if (job.spec.precision == "fp32" and c.device == "cuda") else 1.0
         peak = c.peak_tflops * 1e12 * scale
         return cls(flops=peak * c.matmul_efficiency, attn_flops=peak * c.attention_efficiency,
-                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.knobs.precision])
+                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.spec.precision])
 
     def gemm(self, m: float, k: float, n: float) -> float:
         """An (m x k) @ (k x n) GEMM as a smooth roofline: its FLOPs at the sustained rate plus the
@@ -223,7 +223,7 @@ def link(cluster: ClusterConfig, size: int, stride: int) -> tuple[float, float, 
 
 
 def _coll(job: Job, dim: str, op: str, nbytes: float, count: float) -> Collective:
-    lay = job.knobs.layout
+    lay = job.spec.layout
     if dim == "ep":
         size, stride = ep_link(job)
     elif dim == "edp":  # what ZeRO shards the experts over: the ranks outside the ep group
@@ -274,7 +274,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     """One block on one rank for one micro-batch of `tokens`: GEMMs (forward), attention (forward and
     backward) and memory-bound elementwise kernels (forward)."""
     sw = sw or HPCTRAIN
-    m, tp, s = job.model, job.knobs.layout.tp, job.knobs.seq_len
+    m, tp, s = job.model, job.spec.layout.tp, job.spec.seq_len
     hd = head_dim(m)
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
     # The four linears each sequence-parallel collective pairs with: wq|wk|wv after an all-gather, wo
@@ -294,7 +294,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
         bmm = heads * (hw.gemm(s, hd, s) + hw.gemm(s, s, hd))
         attn = bmm + scores * UNFUSED_SCORE_BYTES[0] / hw.hbm
         attn_bwd = 2 * bmm + scores * UNFUSED_SCORE_BYTES[1] / hw.hbm
-    b = FUSED_BYTES if (sw.fused or job.knobs.compile) else EAGER_BYTES
+    b = FUSED_BYTES if (sw.fused or job.spec.compile) else EAGER_BYTES
     # RMSNorms and residual adds on the residual stream (1/tp of it with sequence parallelism); RoPE on
     # q and k; SwiGLU.
     stream = h / tp if job.sequence_parallel else h
@@ -304,7 +304,7 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
 
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
-    m, lay = job.model, job.knobs.layout
+    m, lay = job.model, job.spec.layout
     tokens = job.tokens
     layers = job.stage_layers(stage)
     first, last = job.first(stage), job.last(stage)
@@ -326,14 +326,14 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp)
         fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
         bwd += (1 + wgrad) * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
-    recomputed = checkpointed_layers(job.knobs.ac, layers, job.knobs.ac_every)
+    recomputed = checkpointed_layers(job.spec.ac, layers, job.spec.ac_every)
     w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
     recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
     n_moe = stage_moe_layers(job, stage)
     ep_exposed, ep_colls = 0.0, []
     if n_moe:
         # An MoE block's feed-forward in place of the SwiGLU (the two last linears and its elementwise)
-        b = FUSED_BYTES if (sw.fused or job.knobs.compile) else EAGER_BYTES
+        b = FUSED_BYTES if (sw.fused or job.spec.compile) else EAGER_BYTES
         moe = expert_time(job, hw, tokens, b["swiglu"])
         swiglu = tokens * b["swiglu"] * m.ffn_dim / lay.tp * hw.elem / 2 / hw.hbm
         delta = moe["gemm"] + moe["elem"] - (lf["linears"][2] + lf["linears"][3] + swiglu)
@@ -424,9 +424,10 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
     gradient accumulates, hpctrain.plan.memory.accumulated_grads); ZeRO-3 (FSDP) also gathers parameters
     for forward and again for backward every micro-batch (once under pipelining, which keeps them
     gathered from a micro-batch's forward to its backward). With dp_replicate > 1 (HSDP) the shards are also all-reduced across replicas.
-    Gradients travel in fp32 (REDUCE_BYTES), parameters in the compute precision.
+    Gradients travel in the reduce dtype (memory.reduce_bytes: fp32 unless train.reduce_precision=bf16),
+    parameters in the compute precision.
     """
-    lay = job.knobs.layout
+    lay = job.spec.layout
     if lay.ep <= 1:  # every parameter over the data-parallel ranks
         parts = [(st.params, "dp_shard", job.zero_group)] if lay.dp * lay.cp > 1 else []
     else:  # routed experts over the ranks expert parallel leaves (none: each rank owns its experts)
@@ -443,31 +444,31 @@ def _zero_traffic(job: Job, st: StageTime, hw: Hardware, sw: Software) -> None:
 def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, shard_dim: str, N: int) -> None:
     """_zero_traffic for `P` parameters sharded over the `N` ranks of mesh dimension `shard_dim`; sets
     st.zero_exposed and st.dp_exposed to this part's."""
-    lay, mb = job.knobs.layout, job.microbatches
+    lay, mb = job.spec.layout, job.microbatches
     st.zero_exposed = st.dp_exposed = 0.0
     fwd, bwd = st.fwd, st.bwd + st.recompute
     # Gradients exist for the trained parameters only (LoRA: the adapters); ZeRO-1/2 gather the updated
     # ones after the step, ZeRO-3 every parameter for each forward and backward.
-    grad = P * st.trained_share * REDUCE_BYTES
-    par = P * hw.elem * (1.0 if job.knobs.zero >= 3 else st.trained_share)
+    grad = P * st.trained_share * reduce_bytes(job)
+    par = P * hw.elem * (1.0 if job.spec.zero >= 3 else st.trained_share)
 
     def hide(t: float, window: float) -> float:
         return _hide(t, window, st.units, sw.dp_overlap)
 
-    if job.knobs.zero == 0 or N == 1:
+    if job.spec.zero == 0 or N == 1:
         colls = [_coll(job, "dp" if shard_dim == "dp_shard" else shard_dim, "all_reduce", grad, 1)]
         st.dp_exposed = hide(colls[0].total, bwd)
-    elif job.knobs.zero == 1 and sw.zero1 == "all_reduce":
+    elif job.spec.zero == 1 and sw.zero1 == "all_reduce":
         # The parameters are fp32 (hpctrain.core.spec.dtypes); the broadcasts follow the optimizer step.
         colls = [_coll(job, "dp" if shard_dim == "dp_shard" else shard_dim, "all_reduce", grad, 1),
                  _coll(job, shard_dim, "broadcast", P * st.trained_share * 4, 1)]
         st.dp_exposed = hide(colls[0].total, bwd) + colls[1].total
     else:
-        per_mb = job.knobs.zero >= 2 and job.spec.grad_sync == "microbatch"
+        per_mb = job.spec.zero >= 2 and job.spec.grad_sync == "microbatch"
         rs_count = mb if per_mb else 1
         # ZeRO-3 gathers for each micro-batch's forward, and again for its backward unless it keeps the
         # parameters gathered in between (under pipelining, hpctrain.core.spec.sharding).
-        gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.knobs.zero >= 3 else 1
+        gathers = (2 if job.spec.sharding.reshard_after_forward else 1) * mb if job.spec.zero >= 3 else 1
         # one call per unit (FSDP's per-block groups, Megatron's buckets): each pays the latency
         u = st.units
         colls = [_coll(job, shard_dim, "reduce_scatter", grad / u, rs_count * u),
@@ -477,9 +478,9 @@ def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, sh
         reduce = u * (colls[0].seconds + (colls[2].seconds if len(colls) > 2 else 0.0))
         gather = u * colls[1].seconds
         bwd_gather = gather if job.spec.sharding.reshard_after_forward else 0.0
-        if job.knobs.zero >= 3 and per_mb:
+        if job.spec.zero >= 3 and per_mb:
             st.zero_exposed = hide(gather, fwd) + hide(bwd_gather + reduce, bwd)
-        elif job.knobs.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
+        elif job.spec.zero >= 3:  # gathers every micro-batch, reduces once, after the last backward
             st.zero_exposed = hide(gather, fwd) + hide(bwd_gather, bwd)
             st.dp_exposed = hide(reduce, bwd)
         else:
@@ -516,11 +517,11 @@ def stages_per_rank(job: Job) -> int:
 
 
 def bubble_divisor(job: Job) -> float:
-    if job.knobs.schedule == "interleaved_1f1b":
+    if job.spec.schedule == "interleaved_1f1b":
         return float(stages_per_rank(job))
-    if job.knobs.schedule == "zero_bubble":
+    if job.spec.schedule == "zero_bubble":
         return BUBBLE_DIVISOR["zero_bubble"] * stages_per_rank(job)
-    return BUBBLE_DIVISOR.get(job.knobs.schedule, 1.0)
+    return BUBBLE_DIVISOR.get(job.spec.schedule, 1.0)
 
 
 def optimizer_time(job: Job, params: float, experts: float = 0.0) -> dict:
@@ -528,13 +529,13 @@ def optimizer_time(job: Job, params: float, experts: float = 0.0) -> dict:
     (cpu), plus NVMe reads and writes of master weights and moments pipelined with it (nvme).
     `experts`: of `params`, routed experts, sharded over the expert group."""
     c = job.cluster
-    shard = ((params - experts) / job.zero_group + experts / expert_zero_group(job)) if job.knobs.zero >= 1 else params
-    if job.knobs.offload == "none":
-        return {"optimizer": shard * ADAM_BYTES[job.knobs.precision] / (c.hbm_gbps * 1e9)}
+    shard = ((params - experts) / job.zero_group + experts / expert_zero_group(job)) if job.spec.zero >= 1 else params
+    if job.spec.offload == "none":
+        return {"optimizer": shard * ADAM_BYTES[job.spec.precision] / (c.hbm_gbps * 1e9)}
     rpn = ranks_per_node(c)
-    pcie = shard * (REDUCE_BYTES + BYTES[job.knobs.precision]) / (c.pcie_gbps * 1e9)
+    pcie = shard * (GRAD_BYTES + BYTES[job.spec.precision]) / (c.pcie_gbps * 1e9)
     cpu = shard * rpn / (c.host_adam_gparams * 1e9)
-    if job.knobs.offload == "nvme":
+    if job.spec.offload == "nvme":
         cpu = max(cpu, 2 * 12 * shard * rpn / (c.nvme_gbps * 1e9))
     return {"optimizer": cpu, "offload_copies": pcie}
 
@@ -542,7 +543,7 @@ def optimizer_time(job: Job, params: float, experts: float = 0.0) -> dict:
 def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     """Step time of the slowest pipeline stage's ranks, and what it means in tokens/s and MFU."""
     hw = Hardware.of(job)
-    lay, mb = job.knobs.layout, job.microbatches
+    lay, mb = job.spec.layout, job.microbatches
     # One rank of each distinct (blocks, embedding, output layer) shape: an uneven split
     # (parallel.pp_layers) can make any of them the slowest, which sets the steady-state pace.
     times = {r: stage_time(job, r, hw, sw) for r in pipeline_ranks(job)}
@@ -577,13 +578,13 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     br.update(optimizer_time(job, heaviest.params, heaviest.experts))
     step = sum(br.values())
 
-    tokens = job.knobs.global_batch * job.knobs.seq_len
+    tokens = job.spec.global_batch * job.spec.seq_len
     # the FLOPs computed: the attention pairs the causal mask and the document mask keep, no more
     kept = attention_kept(job)
-    flops = train_flops_per_token(job.model, job.knobs.seq_len, kept) * tokens
+    flops = train_flops_per_token(job.model, job.spec.seq_len, kept) * tokens
     tflops = flops / step / job.world / 1e12
-    recomputed = checkpointed_layers(job.knobs.ac, job.model.n_layers, job.knobs.ac_every)
-    hw_flops = flops + recompute_flops_per_token(job.model, job.knobs.seq_len, recomputed,
+    recomputed = checkpointed_layers(job.spec.ac, job.model.n_layers, job.spec.ac_every)
+    hw_flops = flops + recompute_flops_per_token(job.model, job.spec.seq_len, recomputed,
                                                  last_linear=sw.recompute_last_linear, kept=kept) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,

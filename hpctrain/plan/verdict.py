@@ -8,7 +8,7 @@ from typing import Optional
 
 from hpctrain.core import words
 from hpctrain.core.schema import ClusterConfig, ModelConfig
-from hpctrain.core.spec import Knobs, Layout
+from hpctrain.core.spec import Layout
 from hpctrain.core.flops import param_counts, train_flops_per_token
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
@@ -59,8 +59,8 @@ def plan_dict(p: Plan) -> dict:
     m, t, j = p.memory, p.time, p.job
     return {"model": j.model.name, "params": param_counts(j.model)["total"], "world": j.world,
             "device": "gpu" if j.cluster.gpus_per_node else "cpu",
-            "layout": knobs(j), "seq_len": j.knobs.seq_len, "global_batch": j.knobs.global_batch,
-            "microbatches": j.microbatches, "precision": j.knobs.precision, "feasible": p.fits, "problems": p.problems,
+            "layout": knobs(j), "seq_len": j.spec.seq_len, "global_batch": j.spec.global_batch,
+            "microbatches": j.microbatches, "precision": j.spec.precision, "feasible": p.fits, "problems": p.problems,
             "memory_per_gpu_bytes": m.device_total, "memory_breakdown_bytes": m.device, "memory_stage": m.stage,
             "device_memory_bytes": m.device_limit, "host_memory_bytes": m.host_per_node,
             "host_memory_per_rank_bytes": m.host_per_rank, "nvme_bytes": m.nvme_per_node,
@@ -75,12 +75,12 @@ def plan_dict(p: Plan) -> dict:
 def describe(job: Job) -> str:
     k = knobs(job)
     ep = f" (ep {k['ep']})" if k["ep"] > 1 else ""
-    cp = f" x cp {k['cp']} ({job.knobs.cp_attention})" if k["cp"] > 1 else ""
+    cp = f" x cp {k['cp']} ({job.spec.cp_attention})" if k["cp"] > 1 else ""
     s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}{ep}{cp}, zero {k['zero']}, "
          f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
-    if job.knobs.layout.pp > 1:
-        s += f", {job.knobs.schedule}" + (f" v{job.knobs.virtual_stages}" if job.knobs.schedule == "interleaved_1f1b" else "")
-    if job.knobs.zero >= 2 and job.microbatches > 1:
+    if job.spec.layout.pp > 1:
+        s += f", {job.spec.schedule}" + (f" v{job.spec.virtual_stages}" if job.spec.schedule == "interleaved_1f1b" else "")
+    if job.spec.zero >= 2 and job.microbatches > 1:
         s += f", grad sync per {k['grad_sync'].replace('microbatch', 'micro-batch')}"
     return s
 
@@ -109,7 +109,7 @@ def summary(p: Plan) -> str:
              + f" per rank x {m.ranks_per_node}"
              + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
              f"step {t.step_time_s:.3g} s ({words.plural(j.microbatches, 'micro-batch', 'micro-batches')} of "
-             f"{j.knobs.micro_batch} x {j.knobs.seq_len}): "
+             f"{j.spec.micro_batch} x {j.spec.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
              f"{t.tokens_per_s:,.0f} tokens/s ({t.tokens_per_s / j.world:,.0f} per {unit}), "
              f"{t.tflops_per_gpu:.3g} TFLOP/s per {unit}, MFU {t.mfu:.1%}"
@@ -124,12 +124,12 @@ def summary(p: Plan) -> str:
 
 def flops_per_token(job: Job) -> float:
     """The model FLOPs per token the plan counts (MFU's numerator): the FLOPs computed."""
-    return train_flops_per_token(job.model, job.knobs.seq_len, attention_kept(job))
+    return train_flops_per_token(job.model, job.spec.seq_len, attention_kept(job))
 
 
 def megatron_tflops(p: Plan, recompute: bool) -> float:
     """The plan's tokens/s per GPU in Megatron-LM's FLOP count (throughput.megatron_flops_per_token)."""
-    return p.time.tokens_per_s / p.job.world * megatron_flops_per_token(p.job.model, p.job.knobs.seq_len,
+    return p.time.tokens_per_s / p.job.world * megatron_flops_per_token(p.job.model, p.job.spec.seq_len,
                                                                          recompute) / 1e12
 
 
@@ -209,8 +209,8 @@ def short(job: Job) -> str:
     cp = f" cp{k['cp']}" if k["cp"] > 1 else ""
     s = (f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{ep}{cp} zero{k['zero']} ac {k['ac']} "
          f"mb{k['micro_batch']}")
-    if job.knobs.layout.pp > 1:
-        s += f" {job.knobs.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+    if job.spec.layout.pp > 1:
+        s += f" {job.spec.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
     if k["grad_sync"] == "step":
         s += " sync step"
     if k["offload"] != "none":
@@ -296,10 +296,10 @@ def megatron_job(row: tuple, cluster: ClusterConfig) -> Job:
     m = ModelConfig(name=name, dim=h, n_layers=layers, n_heads=heads, n_kv_heads=heads, ffn_dim=ffn,
                     vocab_size=131072, tie_embeddings=False)
     dp = gpus // (tp * pp)
-    return Job.of(m, cluster, Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), seq_len=4096,
-                                    global_batch=batch, micro_batch=batch // dp if pp == 1 else 1, precision="bf16",
-                                    zero=1, ac="none", schedule="interleaved_1f1b" if pp > 1 else "1f1b",
-                                    virtual_stages=layers // pp if pp > 1 else 1))
+    return Job.of(m, cluster, layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp), seq_len=4096,
+                  global_batch=batch, micro_batch=batch // dp if pp == 1 else 1, precision="bf16",
+                  zero=1, ac="none", schedule="interleaved_1f1b" if pp > 1 else "1f1b",
+                  virtual_stages=layers // pp if pp > 1 else 1)
 
 
 def calibration(cluster: ClusterConfig, sw: Software = MEGATRON) -> list[dict]:
@@ -308,7 +308,7 @@ def calibration(cluster: ClusterConfig, sw: Software = MEGATRON) -> list[dict]:
         job = megatron_job(row, cluster)
         t = throughput(job, sw)
         # in the table's own FLOP count: Megatron-LM r0.8's (eq. 3 without the recompute term, the whole s x s)
-        predicted = t.tokens_per_s / job.world * megatron_flops_per_token(job.model, job.knobs.seq_len, False) / 1e12
+        predicted = t.tokens_per_s / job.world * megatron_flops_per_token(job.model, job.spec.seq_len, False) / 1e12
         rows.append({"model": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "predicted": predicted,
                      "published": row[8], "error": predicted / row[8] - 1})
     return rows

@@ -35,8 +35,8 @@ from typing import Iterable, Mapping, Sequence
 
 import yaml
 
-from hpctrain.bench.collectives import OPS, format_size, parse_size
 from hpctrain.core import outdir
+from hpctrain.core.nccl_words import OPS, format_size, parse_size
 
 TOOL = "hpctrain.report.nccl_report"  # the name in the marker of its output directory
 REPORT = "report"  # <sweep dir>/report/

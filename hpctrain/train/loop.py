@@ -93,12 +93,13 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str, device: torch.device, spec: Optional[EngineSpec] = None):
-        self.cfg, self.run_dir, self.device = cfg, run_dir, device
-        self.spec = spec or engine_spec(cfg, dist.get_world_size())
+    def __init__(self, spec: EngineSpec, run_dir: str, device: torch.device):
+        """`spec`: the run as the engine runs it (hpctrain.core.spec.engine_spec), its config with it."""
+        cfg = spec.config
+        self.cfg, self.spec, self.run_dir, self.device = cfg, spec, run_dir, device
         self.rank = dist.get_rank()
         self.meshes = build_mesh(self.spec.layout, device.type)
-        self.dp_mesh = self.meshes.dp
+        self.dp_mesh = self.meshes["dp"]
 
         init = partial(lambda m, name, t, gen: init_param_(name, t, m, gen), cfg.model)
         self.par = parallelize(build_meta(cfg.model, cfg.data.seq_len), self.meshes, self.spec, device, init, seed=cfg.train.seed,
@@ -109,7 +110,7 @@ class Trainer:
             self.params, cfg.optim, cfg.train.steps, offload=cfg.offload,
             zero_group=self.dp_mesh.get_group() if self.spec.data_parallel == "zero1" else None,
             shard_group=self.dp_mesh.get_group() if self.spec.data_parallel == "replicate_zero1" else None)
-        self.pp_group = self.meshes.world["pp"].get_group() if self.spec.pipeline else None
+        self.pp_group = self.meshes.group("pp") if self.spec.pipeline else None
         self.routers = RouterStats(self.parts, cfg.model.moe.experts, cfg.model.moe.bias_update_rate,
                                    self.dp_mesh.get_group(), self.pp_group, device, blocks=cfg.model.n_layers)
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
@@ -121,12 +122,12 @@ class Trainer:
         if cfg.data.document_mask and eos is None:  # the login node refuses this; a rank must not mask nothing
             raise ValueError("data.document_mask=true needs an end-of-document id: data.eos_id or the shards' eos_id")
         self.batch = BatchLayout(eos, cfg.data.document_mask, cfg.data.document_positions,
-                                 self.meshes.cp.get_local_rank() if self.meshes.cp is not None else 0,
+                                 self.meshes["cp"].get_local_rank(),
                                  self.spec.layout.cp)
         dataset = build_dataset(cfg)
         self.sampler_masked = dataset.has_loss_mask
         self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
-                                   self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
+                                   self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed)
         self.progress = Progress()
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, {
             "model": ModelState(self.parts),
@@ -140,6 +141,11 @@ class Trainer:
         self._val_data = None
         self.resumed_from: int | None = None
         self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)
+
+    @classmethod
+    def of(cls, cfg: Config, run_dir: str, device: torch.device) -> "Trainer":
+        """The trainer of a composed config on this process group's ranks."""
+        return cls(engine_spec(cfg, dist.get_world_size()), run_dir, device)
 
     @property
     def step(self) -> int:
@@ -207,7 +213,7 @@ class Trainer:
         divide by the micro-batches: both are undone here."""
         if masked:
             n = torch.tensor(float(sum(int((y != IGNORE).sum()) for _, y in micro)), device=self.device)
-            dist.all_reduce(n, group=self.meshes.data.get_group())
+            dist.all_reduce(n, group=self.meshes.group("data"))
             count = max(n.item(), 1.0)
         else:
             count = self.cfg.train.global_batch * self.cfg.data.seq_len
@@ -312,7 +318,7 @@ class Trainer:
         if self._val_data is None:
             self._val_data = build_dataset(cfg, "val")
         sampler = StepSampler(self._val_data, cfg.train.global_batch, cfg.train.micro_batch,
-                              self.meshes.data.get_local_rank(), self.meshes.data.size(), cfg.data.seed)
+                              self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed)
         total = torch.zeros((), device=self.device)
         for part in self.parts:
             part.eval()
@@ -343,7 +349,7 @@ class Trainer:
         owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]
         with self._compute_context():
             loss = forward_only(dict(zip(self.par.stage_indices, self.parts)), owner,
-                                self.meshes.world["pp"].get_local_rank(), self.pp_group,
+                                self.meshes["pp"].get_local_rank(), self.pp_group,
                                 [self.batch(x, y) for x, y in micro],
                                 lambda out, y: _plain(self.loss_fn(out, y)), self.device)
         dist.all_reduce(loss, group=self.pp_group)  # from the rank of the last stage to every pp rank

@@ -1,5 +1,5 @@
 """Published Mixture-of-Experts training runs (published_moe.csv; sources in docs/published_runs.md) as
-planner jobs. Pure arithmetic, as hpctrain.plan.published is for the dense rows.
+planner jobs. Pure arithmetic, as calibration.published is for the dense rows.
 
 Rows the planner prices: bf16 runs on GPUs with a cluster preset, without context parallelism, whose
 model it can describe. Megatron-Core's TFLOP/s are converted to tokens/s with its own MoE FLOP count
@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Optional
 
 from hpctrain.core.schema import ModelConfig, MoEConfig
-from hpctrain.core.spec import Knobs, Layout
-from hpctrain.plan.fit import BOUND
+from hpctrain.core.spec import Layout
 from hpctrain.plan.memory import Job
-from hpctrain.plan.published import GPUS, cluster_for
 from hpctrain.plan.throughput import MEGATRON, Software, throughput
+
+from .fit import BOUND
+from .published import GPUS, cluster_for
 
 CSV = Path(__file__).with_name("published_moe.csv")
 # The sources the planner prices, with what ran them.
@@ -122,13 +123,13 @@ def priced(r: dict) -> Row:
     tp, pp, ep, gpus = _int(r["tp"], 1), _int(r["pp"], 1), _int(r["ep"], 1), _int(r["num_gpus"])
     dp = gpus // (tp * pp)
     vp = _int(r["vp"], 1)
-    knobs = Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, ep=ep), global_batch=_int(r["global_batch"]),
+    knobs = dict(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, ep=ep), global_batch=_int(r["global_batch"]),
                   seq_len=s, micro_batch=_int(r["micro_batch"], 1), precision="bf16", zero=_int(r["zero"], 1),
                   ac=_recompute(r), schedule="interleaved_1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                   sp_regather=True)
     out.model = m
     out.software = MEGATRON_A2A_OVERLAP if "A2A overlap" in r["notes"] else MEGATRON
-    out.job = Job.of(m, cluster_for(r["gpu"], gpus), knobs, engine="megatron", expert_tp=_int(r["etp"], 1))
+    out.job = Job.of(m, cluster_for(r["gpu"], gpus), **knobs, engine="megatron", expert_tp=_int(r["etp"], 1))
     out.tokens = float(r["model_tflops_per_gpu"]) * 1e12 / megatron_moe_flops(m, s)
     return out
 

@@ -1,5 +1,5 @@
 """Fit the planner's per-GPU constants on the published rows of the fit sources and judge it on the
-held-out ones (`python -m hpctrain.plan --published [--fit]`). Pure arithmetic.
+held-out ones (`python benchmarks/calibration [--fit [--write]]`). Pure arithmetic.
 
 Fitted per GPU kind (conf/cluster/<kind>.yaml): matmul_efficiency and attention_efficiency, the two
 shares of peak the structure of hpctrain.plan.throughput leaves open. The fit minimizes the squared log
@@ -15,10 +15,11 @@ from dataclasses import replace
 from typing import Callable, Iterable, Optional
 
 from hpctrain.core.compose import conf_dir
-from hpctrain.plan.published import GPUS, Prediction, Published, predict, preset, usable
 from hpctrain.plan.search import search
 from hpctrain.plan.throughput import throughput
 from hpctrain.plan.verdict import describe, explain
+
+from .published import GPUS, Prediction, Published, predict, preset, usable
 
 FITTED = ("matmul_efficiency", "attention_efficiency")
 # Presets with no published 16-bit run to fit on, which take a fitted kind's constants (same tensor cores).
@@ -114,23 +115,23 @@ def table(preds: list) -> str:
 
 def _line(x: Prediction) -> str:
     p, r, j = x.row, x.row.row, x.job
-    cp = f" cp{j.knobs.layout.cp}" if j.knobs.layout.cp > 1 else ""
-    lay = f"tp{j.knobs.layout.tp} pp{j.knobs.layout.pp} dp{j.knobs.layout.dp}{cp} z{j.knobs.zero}"
-    flops = p.source.flops(j.model, j.knobs.seq_len, p.params)  # per token, by the source's rule
+    cp = f" cp{j.spec.layout.cp}" if j.spec.layout.cp > 1 else ""
+    lay = f"tp{j.spec.layout.tp} pp{j.spec.layout.pp} dp{j.spec.layout.dp}{cp} z{j.spec.zero}"
+    flops = p.source.flops(j.model, j.spec.seq_len, p.params)  # per token, by the source's rule
     pub_m, pred_m = p.tokens * flops / 1e12, x.tokens * flops / 1e12
     hw = x.time.hw_tflops_per_gpu
     mem = r["memory_gb"] or "-"
     chosen = ",".join(f"{k}={_knob(j, k)}" for k in p.tuned)
-    sw = p.software.name + ("+compile" if j.knobs.compile and not p.software.fused else "")
+    sw = p.software.name + ("+compile" if j.spec.compile and not p.software.fused else "")
     return (f"{r['source'][:30]:<30} {r['model'][:14]:<14} {r['num_gpus'] + 'x' + r['gpu']:>13} "
-            f"{lay + ' mb' + str(j.knobs.micro_batch):<22} {sw:<16} {p.tokens:>9,.0f} "
+            f"{lay + ' mb' + str(j.spec.micro_batch):<22} {sw:<16} {p.tokens:>9,.0f} "
             f"{x.tokens:>9,.0f} {x.error:>+7.1%} {pub_m:>7.0f} {pred_m:>6.0f} {hw:>7.0f} {mem:>7} "
             f"{x.memory_gib:>5.0f}  {chosen}")
 
 
 def _knob(job, k: str):
-    return {"micro_batch": job.knobs.micro_batch, "recompute": job.knobs.ac,
-            "vp": job.knobs.virtual_stages if job.knobs.schedule == "interleaved_1f1b" else 1}[k]
+    return {"micro_batch": job.spec.micro_batch, "recompute": job.spec.ac,
+            "vp": job.spec.virtual_stages if job.spec.schedule == "interleaved_1f1b" else 1}[k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def auto_report(rows: Optional[list] = None, presets: Optional[dict] = None) -> 
     for p in auto_rows(rows):
         x, res = auto(p, presets)
         best = res.ranked[0] if res.ranked else None
-        out.append(f"parallel=auto on {p.id} (global batch {x.job.knobs.global_batch}, software {p.software.name}):")
+        out.append(f"parallel=auto on {p.id} (global batch {x.job.spec.global_batch}, software {p.software.name}):")
         out.append(f"  published layout: {describe(x.job)}: {x.tokens:,.0f} tokens/s per GPU predicted "
                    f"({p.tokens:,.0f} published)")
         if best:

@@ -1,11 +1,12 @@
-"""The planner against published runs as one picture (`python -m hpctrain.plan --published --png PATH`):
+"""The planner against published runs as one picture (`python benchmarks/calibration --png PATH`):
 predicted over published tokens/s per GPU for every priced row, dense and MoE, fit and held-out, with the
 15% band the held-out rows are judged by; and the held-out errors as a histogram."""
 from __future__ import annotations
 
-from hpctrain.plan import published_moe
-from hpctrain.plan.fit import BOUND
 from hpctrain.plan.verdict import TOOL
+
+from . import published_moe
+from .fit import BOUND
 
 
 def points(dense: list, moe: list) -> dict:

@@ -1,5 +1,6 @@
 """Published training-throughput tables (published.csv; sources in docs/published_runs.md) as planner
 jobs, so the planner can be fitted on some sources and judged on the others. Pure arithmetic.
+`python benchmarks/calibration` prints the comparison (calibration/__main__.py).
 
 Each usable row becomes a `Published`: the Job it ran (model shape, GPUs, layout, batch), the software
 profile of the engine that ran it, and the published throughput in tokens/s per GPU. Sources that print
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf
 from hpctrain.core.compose import conf_dir
 from hpctrain.core.flops import param_counts
 from hpctrain.core.schema import ClusterConfig, ModelConfig
-from hpctrain.core.spec import Knobs, Layout
+from hpctrain.core.spec import Layout
 from hpctrain.plan.memory import Job, memory
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
                                       MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
@@ -101,7 +102,7 @@ SOURCES = {
                               gpt=True, tied=True),
 }
 
-# The rows the per-GPU constants are fitted on (hpctrain.plan.fit): by source, and for llm-foundry by
+# The rows the per-GPU constants are fitted on (calibration.fit): by source, and for llm-foundry by
 # table (its notes begin "table '<name>"). Only PyTorch FSDP runs without TP or PP are fitted on
 # (torchtitan's 2024-12 H100 tables, llm-foundry's "H100 80GB BF16" and "A100 80GB" tables): every
 # tensor-parallel, pipelined, Megatron-LM or Meta run is held out, so the held-out error measures the
@@ -267,16 +268,16 @@ def published(r: dict) -> Published:
     p.tokens = value if src.column == "tokens_per_s_per_gpu" else value * 1e12 / src.flops(m, s, n)
     zero = _int(r["zero"], 3)
     # context parallel: all-gather where the row says so (Llama 3), else a ring (Megatron-Core's p2p default)
-    knobs = Knobs(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, cp=cp), global_batch=_int(r["global_batch"]),
+    knobs = dict(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, cp=cp), global_batch=_int(r["global_batch"]),
                   cp_attention="allgather" if "all-gather CP" in r["notes"] else "ring",
                   seq_len=s, precision="bf16", zero=zero, compile=src.compile or "compile" in r["notes"],
                   # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
                   sp_regather=p.software is MEGATRON)
     # Megatron-LM of 2021 had no sequence parallelism.
-    base = Job.of(m, cluster_for(r["gpu"], gpus), knobs, sequence_parallel=p.software.sequence_parallel,
+    base = Job.of(m, cluster_for(r["gpu"], gpus), **knobs, sequence_parallel=p.software.sequence_parallel,
                   engine=p.software.engine)
     knobs, p.tuned = _choices(r, src, m, dp, pp)
-    jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.knobs.micro_batch * dp == j.knobs.global_batch]
+    jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.spec.micro_batch * dp == j.spec.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
     # or any value where none does (the engine then needs less memory than the model says).
     p.candidates = [j for j in jobs if not p.tuned or fits(j, src)] or jobs
@@ -292,7 +293,7 @@ def fits(job: Job, src: Source) -> bool:
     mem = memory(job)
     extra = 0.0
     if src.software.engine == "megatron":
-        extra += mem.device.get("unsharded_grads", 0.0) if job.knobs.zero <= 1 else 0.0
+        extra += mem.device.get("unsharded_grads", 0.0) if job.spec.zero <= 1 else 0.0
     return mem.device_total - extra <= mem.device_limit
 
 

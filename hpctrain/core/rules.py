@@ -1,0 +1,245 @@
+"""The rule book: what keeps a layout from running at all, written once.
+
+Each rule reads an `EngineSpec` (the run's config and what follows from it) and yields `Problem`s: a
+short reason, by which the planner counts the layouts it refuses, and a message that names the keys
+and the fix. Three readers, one wording: the login node's checks (hpctrain.checks.config_checks), the
+planner's search (hpctrain.plan.search, over thousands of layouts) and every rank before it builds a
+mesh (hpctrain.run, for a start the login node did not check: torchrun, mpiexec). Memory is not a
+rule here: whether a layout fits is the planner's (hpctrain.plan.memory). No torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from hpctrain.core.spec import EngineSpec, Layout
+
+RULES: list[Callable[[EngineSpec], Iterator["Problem"]]] = []
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str  # short, for counting refused layouts ("model.n_heads % tp")
+    message: str  # names the keys, what is wrong and the fix
+
+
+def rule(fn):
+    RULES.append(fn)
+    return fn
+
+
+def problems(spec: EngineSpec) -> list[Problem]:
+    """Every rule's problems with this spec, in the book's order."""
+    return [p for r in RULES for p in r(spec)]
+
+
+def divisors(n: int, most: int = 64) -> str:
+    """The divisors of n up to `most` (what a fix can offer; the planner words ~10^4 refusals a search)."""
+    return ", ".join(str(d) for d in range(1, min(n, most) + 1) if n % d == 0)
+
+
+@rule
+def world(spec: EngineSpec):
+    """The mesh fills the ranks the launcher provides."""
+    cfg = spec.config
+    where = (f"launcher.nproc={spec.world}" if cfg.launcher.name == "local" else
+             f"cluster.nodes={cfg.cluster.nodes} x "
+             f"{'cluster.gpus_per_node' if cfg.cluster.gpus_per_node else 'cluster.tasks_per_node'}"
+             f"={cfg.cluster.gpus_per_node or cfg.cluster.tasks_per_node}")
+    yield from world_problems(spec.layout, spec.world, "the launcher provides", where,
+                              rest=cfg.parallel.dp_shard == -1)
+
+
+def world_problems(lay: Layout, world: int, who: str, where: str = "", rest: bool = False):
+    """The degrees multiply to `world` ranks, which `who` ("the launcher provides") by `where` (the keys
+    that size it); `rest`: dp_shard was -1, "the rest"."""
+    fixed = lay.pp * lay.dp_replicate * lay.cp * lay.tp
+    cp = f" x parallel.cp={lay.cp}" if lay.cp > 1 else ""
+    where = f" ({where})" if where else ""
+    if rest:
+        if fixed < 1 or world % fixed:
+            yield Problem("pp x dp_replicate x cp x tp % world",
+                          f"parallel.pp={lay.pp} x parallel.dp_replicate={lay.dp_replicate}{cp} x parallel.tp={lay.tp} "
+                          f"= {fixed} does not divide the {world} ranks {who}{where}. "
+                          f"Fix: make the world size a multiple of {fixed}, or change the parallel sizes")
+    elif lay.world != world:
+        yield Problem("mesh != world",
+                      f"parallel sizes pp={lay.pp} x dp_replicate={lay.dp_replicate} x dp_shard={lay.dp_shard}"
+                      f"{cp.replace('parallel.', '')} x tp={lay.tp} = {lay.world}, but {who} {world} ranks{where}. "
+                      f"Fix: set parallel.dp_shard=-1 to use all ranks, or make the product equal {world}")
+
+
+@rule
+def tensor_parallel(spec: EngineSpec):
+    """TP splits heads and the FFN's width."""
+    m, tp = spec.model, spec.layout.tp
+    for key in ("n_heads", "n_kv_heads"):
+        if getattr(m, key) % tp:
+            yield Problem(f"model.{key} % tp",
+                          f"model.{key}={getattr(m, key)} is not divisible by parallel.tp={tp}: tensor parallel "
+                          f"splits heads. Fix: choose parallel.tp among {divisors(getattr(m, key))}")
+    if m.ffn_dim % tp:
+        yield Problem("model.ffn_dim % tp",
+                      f"model.ffn_dim={m.ffn_dim} is not divisible by parallel.tp={tp}: tensor parallel splits the "
+                      f"FFN's width. Fix: choose parallel.tp among {divisors(m.ffn_dim)}")
+
+
+EP_ZERO = "ep needs zero >= 2"  # (the login node lets parallel=auto choose the stage)
+
+
+@rule
+def expert_parallel(spec: EngineSpec):
+    """parallel.ep: a split of dp_shard over whole experts, on FSDP2."""
+    ep, e = spec.layout.ep, spec.model.moe
+    if ep <= 1:
+        return
+    if e.experts <= 0:
+        yield Problem("ep without experts",
+                      f"parallel.ep={ep} splits Mixture-of-Experts layers, but the model has none "
+                      "(model.moe.experts=0). Fix: parallel.ep=1, or a MoE model (e.g. model=moe_tiny)")
+        return
+    if e.experts % ep:
+        yield Problem("ep", f"model.moe.experts={e.experts} is not divisible by parallel.ep={ep}: each ep rank holds "
+                            f"whole experts. Fix: choose parallel.ep among {divisors(e.experts)}")
+    yield from ep_fold_problems(spec.layout)
+    if spec.zero < 2:
+        yield Problem(EP_ZERO, f"parallel.ep={ep} with parallel.zero={spec.zero}: expert parallel runs on FSDP2, whose "
+                            "gradient reduction knows the experts are split (DDP would average different experts' "
+                            "gradients). Fix: parallel.zero=2 or 3")
+
+
+def ep_fold_problems(lay: Layout, over: tuple = ("dp_shard",)):
+    """Expert parallel takes its ranks from the `over` dimensions (dp_shard: built; dp_shard x tp,
+    Megatron's folding: hpctrain.distributed.mesh.EP_FOLDS), so ep divides their product."""
+    n = 1
+    for d in over:
+        n *= getattr(lay, d)
+    keys = " x ".join(f"parallel.{d}" for d in over)
+    if lay.ep > 1 and n >= 1 and n % lay.ep:
+        yield Problem("ep", f"parallel.ep={lay.ep} does not divide {keys}={n}: expert parallel splits "
+                            f"{'the data-parallel shard group' if over == ('dp_shard',) else ' x '.join(over)}. "
+                            f"Fix: choose parallel.ep among {divisors(n)}")
+
+
+@rule
+def context_parallel(spec: EngineSpec):
+    """parallel.cp: whole chunk pairs per rank, on a kernel that covers the case and that the planner prices."""
+    cp, m = spec.layout.cp, spec.model
+    if cp <= 1:
+        return
+    s = spec.seq_len
+    if s % (2 * cp):
+        yield Problem("cp", f"data.seq_len={s} is not divisible by 2 x parallel.cp={2 * cp}: each cp rank holds two "
+                            f"equal chunks of every sequence. Fix: data.seq_len={(s // (2 * cp) + 1) * 2 * cp}, or "
+                            f"parallel.cp among {[c for c in range(1, s // 2 + 1) if (s // 2) % c == 0][:8]}")
+    kernel = str(spec.config.parallel.cp_kernel)
+    gqa = bool(m.n_kv_heads) and m.n_kv_heads != m.n_heads
+    if kernel == "torch" and spec.device == "cuda" and spec.precision != "bf16" and gqa:
+        yield Problem("cp kernel", f"parallel.cp_kernel=torch with train.precision={spec.precision} and grouped-query "
+                                   f"attention (model.n_kv_heads={m.n_kv_heads} < n_heads={m.n_heads}): of the CUDA "
+                                   "kernels torch's ring runs, only flash takes fewer K/V heads, and it computes in 16 "
+                                   "bits. Fix: train.precision=bf16, or parallel.cp_kernel=auto (hpctrain's kernel then)")
+    if kernel == "torch" and spec.document_mask:
+        yield Problem("cp kernel", "parallel.cp_kernel=torch with data.document_mask=true: torch's context-parallel "
+                                   "ring attention is causal only and takes no mask. Fix: parallel.cp_kernel=auto "
+                                   "(hpctrain's kernel where a mask is on), or data.document_mask=false")
+        return
+    fallback = cp_fallback_problem(spec)
+    if fallback:
+        yield Problem("cp on CUDA with hpctrain's kernel (unpriced)", fallback)
+
+
+def cp_fallback_problem(spec: EngineSpec) -> str:
+    """Context parallelism on CUDA with hpctrain's kernel (a document mask, fp32, or parallel.cp_kernel=hpctrain):
+    its chunk pairs fall back there to fp32 matmuls over whole (chunk x chunk) score matrices per head
+    (hpctrain.models.attention's math path; no fused CUDA kernel takes the mask with grouped K/V yet),
+    which the planner prices neither in memory nor in time; "" where it does not arise."""
+    cp = spec.layout.cp
+    if cp <= 1 or spec.device != "cuda" or spec.cp_kernel != "hpctrain":
+        return ""
+    chunk = spec.seq_len // (2 * cp)
+    heads = spec.model.n_heads // max(1, spec.layout.tp)
+    scores = spec.micro_batch * heads * chunk * chunk * 4 / 2**30
+    if spec.document_mask:
+        why, fix = "data.document_mask=true", "data.document_mask=false (torch's ring, causal only), or parallel.cp=1"
+    elif str(spec.config.parallel.cp_kernel) == "hpctrain":
+        why, fix = "parallel.cp_kernel=hpctrain", "parallel.cp_kernel=auto with train.precision=bf16 (torch's ring)"
+    else:
+        why, fix = f"train.precision={spec.precision}", "train.precision=bf16 (torch's ring), or parallel.cp=1"
+    return (f"parallel.cp={cp} on CUDA with hpctrain's attention kernel ({why}): its chunk pairs run on CUDA as fp32 "
+            f"matmuls over whole {chunk} x {chunk} score matrices ({scores:.1f} GiB a pair for a rank's {heads} heads, "
+            "several at once in backward), priced neither in memory nor in time (a fused CUDA kernel is still to "
+            f"be built: docs/long_context.md). Fix: {fix}")
+
+
+@rule
+def batch(spec: EngineSpec):
+    """The global batch splits into whole micro-batches on every data-parallel rank."""
+    gb, mb, dp = spec.global_batch, spec.micro_batch, spec.layout.dp
+    if dp >= 1 and mb >= 1 and gb % (dp * mb):
+        yield Problem("global_batch % (dp x micro_batch)",
+                      f"train.global_batch={gb} is not divisible by data-parallel ranks ({dp}) x "
+                      f"train.micro_batch={mb} = {dp * mb}. "
+                      f"Fix: train.global_batch={max(1, gb // (dp * mb)) * dp * mb}")
+
+
+@rule
+def pipeline(spec: EngineSpec):
+    """Stages that hold blocks, enough micro-batches to fill them, an embedding not tied across ranks."""
+    pipe, lay, m = spec.pipeline, spec.layout, spec.model
+    if pipe is None:
+        return
+    stages = pipe.stages
+    if m.tie_embeddings:
+        yield Problem("tied embeddings with pp",
+                      "model.tie_embeddings=true cannot be split over pipeline stages (the embedding and the "
+                      "output would live on different ranks). Fix: parallel.pp=1")
+    # Layers need not divide into stages (hpctrain.core.spec.split_layers splits them unevenly); every
+    # stage but the first and the last needs a block.
+    if stages > m.n_layers + 2:
+        yield Problem("stages > n_layers + 2",
+                      f"parallel.pp={lay.pp} with schedule {spec.schedule} makes {stages} stages but the model has "
+                      f"{m.n_layers} blocks (+ embedding and output). Fix: fewer stages or parallel.pp_schedule=1f1b")
+    gb, mb = spec.global_batch, spec.micro_batch
+    if lay.dp < 1 or mb < 1 or gb % (lay.dp * mb):
+        return  # batch() (or the sizes' own check) says so
+    n = spec.microbatches
+    if spec.schedule == "dualpipev" and n < stages:
+        yield Problem("micro-batches < stages",
+                      f"{n} micro-batches per step for parallel.pp_schedule=dualpipev with {stages} stages: "
+                      f"DualPipeV needs at least as many micro-batches as stages. "
+                      f"Fix: train.micro_batch={max(1, gb // lay.dp // stages)} or a larger train.global_batch")
+    elif n < lay.pp or (stages > lay.pp and n % lay.pp):
+        yield Problem("micro-batches < pp" if n < lay.pp else "interleaved: micro-batches % pp",
+                      f"{n} micro-batches per step (train.global_batch / data-parallel ranks / train.micro_batch) "
+                      f"for parallel.pp={lay.pp}, schedule {spec.schedule}: a pipeline needs at least pp "
+                      f"micro-batches, a multiple of pp for interleaved schedules. "
+                      f"Fix: train.micro_batch={max(1, gb // lay.dp // (2 * lay.pp))} or a larger train.global_batch")
+
+
+@rule
+def engine(spec: EngineSpec):
+    """What the data-parallel engine the layout picks can do."""
+    lay, p = spec.layout, spec.config.parallel
+    if spec.offload != "none" and spec.zero < 1:
+        yield Problem("offload needs zero >= 1",
+                      f"offload.target={spec.offload} with parallel.zero=0: the offloaded optimizer state is "
+                      "priced and streamed per ZeRO shard. Fix: parallel.zero=1 (or 2, 3), or offload.target=none")
+    if spec.data_parallel == "replicate_zero1" and spec.offload != "none":
+        yield Problem("offload with replicate_zero1",
+                      f"offload.target={spec.offload} with parallel.zero=1, data parallel over {lay.dp} ranks and "
+                      f"tp={lay.tp}, pp={lay.pp}: the optimizer sharded by parameter owner does not offload. "
+                      "Fix: parallel.zero=2 or 3, or offload.target=none")
+    if lay.dp_replicate > 1 and spec.data_parallel != "fsdp":
+        yield Problem("HSDP needs zero >= 2", "parallel.dp_replicate>1 (HSDP) needs a sharded data-parallel engine. "
+                                              "Fix: parallel.zero=2 or 3, or parallel.dp_replicate=1")
+    reduce = str(spec.config.train.reduce_precision)
+    if reduce != "fp32" and spec.data_parallel != "fsdp":
+        yield Problem("reduce_precision needs zero >= 2",
+                      f"train.reduce_precision={reduce} with parallel.zero={spec.zero}: only FSDP2 reduces gradients "
+                      "in another dtype than it keeps them (its MixedPrecisionPolicy); DDP and ZeRO-1 reduce the fp32 "
+                      "gradients autocast leaves. Fix: parallel.zero=2 or 3, or train.reduce_precision=fp32")
+    if str(p.grad_sync) == "microbatch" and lay.pp > 1:
+        yield Problem("grad_sync with pp", "parallel.grad_sync=microbatch does not apply with pipelining: torch's "
+                                           "pipeline stages reduce gradients after a step's last backward. "
+                                           "Fix: parallel.grad_sync=auto")
