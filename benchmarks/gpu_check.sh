@@ -2,7 +2,7 @@
 # Every CUDA path of hpctrain, checked unattended in one short run on a lent GPU machine, every
 # figure written to one file: `pytest -m gpu` (tests/test_gpu.py, the CUDA profiler test; with the MoE
 # grouped GEMM in bf16 and the all-to-all over NCCL, torch's context_parallel ring over CUDA's SDPA and the
-# document-masked attention, LoRA in bf16), then benchmarks/gpu_1b.py (the
+# document-masked attention, LoRA in bf16, gradients reduced in bf16 over NCCL), then benchmarks/gpu_1b.py (the
 # bf16 matmul peak, the 1B model with FSDP2 + compile: tokens/s and MFU against that peak and against
 # the planner's prediction for the same shape). About 8 minutes on one H200.
 #

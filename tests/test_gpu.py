@@ -72,6 +72,14 @@ def test_bf16_fsdp2_matches_fp32_on_cpu(tmp_path, cpu_fp32, compile_):
     close(losses(tmp_path), cpu_fp32, BF16_TOL)
 
 
+def test_bf16_gradient_reduction_over_nccl_tracks_fp32_on_the_cpu(tmp_path, cpu_fp32):
+    """train.reduce_precision=bf16: FSDP2 casts each gradient to bf16 for NCCL's reduce-scatter and back
+    into its fp32 shard; the run tracks the CPU's fp32 losses as plain bf16 does."""
+    run_cli(*SMALL, *GPU, "parallel=fsdp", "train.precision=bf16", "train.reduce_precision=bf16",
+            f"run.dir={tmp_path}", timeout=900)
+    close(losses(tmp_path), cpu_fp32, BF16_TOL)
+
+
 @pytest.mark.parametrize("zero", [3, 1])
 def test_pinned_cpu_offload_matches_no_offload(tmp_path, zero):
     ref, off = tmp_path / "ref", tmp_path / "off"
