@@ -13,8 +13,8 @@ from hpctrain.core.spec import ZERO_STAGES, Layout, knob_changes, ranks_per_node
 from hpctrain.plan.throughput import HPCTRAIN, Software, Throughput, throughput
 from hpctrain.core.schema import ClusterConfig
 
-# The knobs a layout is made of; `nearest` counts how many of them differ.
-KNOBS = ("tp", "pp", "dp_replicate", "zero", "offload", "ac", "micro_batch", "schedule", "virtual_stages")
+# The knobs `nearest` compares (the layout's, by hpctrain.core.spec.KNOBS's names): it counts how many differ.
+NEAREST = ("tp", "pp", "dp_replicate", "zero", "offload", "ac", "micro_batch", "schedule", "virtual_stages")
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,6 @@ def nearest(job: Job, ranked: list, k: int = 3) -> list:
 
     def distance(c: Candidate) -> int:
         have = knobs(c.job)
-        return sum(want[x] != have[x] for x in KNOBS)
+        return sum(want[x] != have[x] for x in NEAREST)
 
     return sorted(ranked, key=lambda c: (distance(c), -c.time.tokens_per_s))[:k]
