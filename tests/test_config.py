@@ -144,7 +144,7 @@ def test_refused_message_names_key_and_fix(case):
 
 
 def test_all_problems_reported_at_once():
-    msg = refusal("train.precision=fp8", "train.global_batch=10", "parallel.zero=5")
+    msg = refusal("train.precision=fp4", "train.global_batch=10", "parallel.zero=5")
     assert_mentions(msg, "3 problems", "train.precision", "train.global_batch", "parallel.zero")
 
 
@@ -286,7 +286,7 @@ def test_cli_help():
 
 
 @pytest.mark.parametrize("key,bad,allowed", [
-    ("train.precision", "fp16", "fp32, bf16"),
+    ("train.precision", "fp4", "fp32, bf16, fp16, fp8"),
     ("parallel.pp_schedule", "1F1B", "gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev"),
     ("parallel.ac", "some", "none, full, selective"),
     ("offload.target", "disk", "none, cpu, nvme"),

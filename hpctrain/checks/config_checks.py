@@ -29,10 +29,11 @@ POSITIVE = ("train.steps", "train.global_batch", "train.micro_batch", "train.log
             "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.pp_virtual_stages", "parallel.ep",
             "cluster.nodes", "eval.batches", "model.rope_original_max_seq_len", "parallel.ac_every",
             "checkpoint.threads", "launcher.timeout_s", "launcher.min_nodes", "launcher.straggler_steps",
-            "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.nics_per_node")
+            "cluster.tasks_per_node", "cluster.cpus_per_task", "cluster.nics_per_node",
+            "train.fp16.growth_interval")
 # Whole numbers where 0 means "none" or "off" and a negative one means nothing.
 NOT_NEGATIVE = ("optim.warmup_steps", "train.threads", "train.max_skipped_steps", "cluster.gpus_per_node",
-                "cluster.max_requeues")
+                "cluster.max_requeues", "train.loss_chunk")
 
 CHECKS: list[Callable[[Config], Iterator[str]]] = []
 
@@ -168,6 +169,8 @@ RANGES: dict[str, Range] = {
     "optim.beta2": Range(**UNIT_OPEN, why="Adam's moment decay: at 1 it never forgets, above it diverges"),
     "optim.eps": Range(**ABOVE_0, why="Adam divides by sqrt(v) + eps, and v is 0 for a weight without gradient"),
     "optim.grad_clip": Range(why="0: no clipping"),
+    "train.z_loss_coef": Range(why="0: off; a negative one rewards a large softmax normaliser"),
+    "train.fp16.init_scale": Range(**ABOVE_0, why="the loss is multiplied by it before backward"),
     "data.sources[].weight": Range(**ABOVE_0, why="a source's share of the stream", fix="a weight above 0, or drop "
                                                                                           "the source"),
     "launcher.hang_timeout_s": Range(why="0: max(60 s, 10x the median step)"),
@@ -177,6 +180,9 @@ RANGES: dict[str, Range] = {
                                                                   "named, however close"),
     "launcher.k8s.shm_gb": Range(**ABOVE_0, why="the size of /dev/shm in GiB"),
     "cluster.peak_tflops": Range(**ABOVE_0, why="the denominator of MFU", fix=HARDWARE),
+    "cluster.compute_capability": Range(why="0: not known; else the GPUs' CUDA compute capability (9.0 for H100)",
+                                        fix=HARDWARE),
+    "cluster.fp8_tflops": Range(why="0: no FP8", fix=HARDWARE),
     "cluster.device_mem_gb": Range(**ABOVE_0, why="the planner's memory limit per rank", fix=HARDWARE),
     "cluster.host_mem_gb": Range(**ABOVE_0, why="the planner's limit for offloaded state", fix=HARDWARE),
     "cluster.hbm_gbps": Range(**ABOVE_0, why=PLANNER, fix=HARDWARE),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from hpctrain.core.shape import moe_layer
 from hpctrain.core.spec import EngineSpec, Layout
 
 RULES: list[Callable[[EngineSpec], Iterator["Problem"]]] = []
@@ -134,7 +135,7 @@ def context_parallel(spec: EngineSpec):
                             f"parallel.cp among {[c for c in range(1, s // 2 + 1) if (s // 2) % c == 0][:8]}")
     kernel = str(spec.config.parallel.cp_kernel)
     gqa = bool(m.n_kv_heads) and m.n_kv_heads != m.n_heads
-    if kernel == "torch" and spec.device == "cuda" and spec.precision != "bf16" and gqa:
+    if kernel == "torch" and spec.device == "cuda" and spec.dtypes.compute == "float32" and gqa:
         yield Problem("cp kernel", f"parallel.cp_kernel=torch with train.precision={spec.precision} and grouped-query "
                                    f"attention (model.n_kv_heads={m.n_kv_heads} < n_heads={m.n_heads}): of the CUDA "
                                    "kernels torch's ring runs, only flash takes fewer K/V heads, and it computes in 16 "
@@ -243,3 +244,79 @@ def engine(spec: EngineSpec):
         yield Problem("grad_sync with pp", "parallel.grad_sync=microbatch does not apply with pipelining: torch's "
                                            "pipeline stages reduce gradients after a step's last backward. "
                                            "Fix: parallel.grad_sync=auto")
+
+
+# The CUDA compute capability each precision needs (bf16 tensor cores from Ampere, FP8 from Ada/Hopper,
+# MX block scaling from Blackwell).
+BF16_SM, FP8_SM, MXFP8_SM = 8.0, 8.9, 10.0
+
+
+@rule
+def precision(spec: EngineSpec):
+    """train.precision on the cluster's GPUs (cluster.compute_capability), and what fp8's options need."""
+    cfg, pr = spec.config, spec.precision
+    cc, name = float(cfg.cluster.compute_capability), cfg.cluster.name
+    gpu = spec.device == "cuda" and cc > 0
+    if gpu and pr in ("bf16", "fp8") and cc < BF16_SM:
+        yield Problem("no bf16 on the GPU", f"train.precision={pr} on cluster={name} (compute capability {cc:g}): its "
+                                             "GPUs have no bf16 (it came with compute capability 8.0, A100). Fix: "
+                                             "train.precision=fp16 (dynamic loss scaling), or fp32")
+    elif gpu and pr == "fp8" and cc < FP8_SM:
+        yield Problem("no fp8 on the GPU", f"train.precision=fp8 on cluster={name} (compute capability {cc:g}): its "
+                                            "GPUs have no float8 tensor cores (they came with 8.9, L40S and H100). "
+                                            "Fix: train.precision=bf16")
+    elif gpu and spec.fp8_recipe == "mxfp8" and cc < MXFP8_SM:
+        yield Problem("no mxfp8 on the GPU", f"train.fp8.recipe=mxfp8 on cluster={name} (compute capability {cc:g}): "
+                                              "MX block scaling needs compute capability 10.0 (B200). Fix: "
+                                              "train.fp8.recipe=tensorwise or rowwise")
+    f8 = cfg.train.fp8
+    if bool(f8.all_gather):
+        if pr != "fp8":
+            yield Problem("fp8 all-gather without fp8", f"train.fp8.all_gather=true with train.precision={pr}: there "
+                                                        "are no float8 weights to gather. Fix: train.precision=fp8, or "
+                                                        "train.fp8.all_gather=false")
+        elif str(f8.recipe) != "tensorwise":
+            yield Problem("fp8 all-gather needs tensorwise", f"train.fp8.all_gather=true with train.fp8.recipe="
+                                                             f"{f8.recipe}: torchao gathers float8 weights with one "
+                                                             "scale per tensor only. Fix: train.fp8.recipe=tensorwise, "
+                                                             "or train.fp8.all_gather=false")
+        elif not spec.sharding.params:
+            yield Problem("fp8 all-gather needs zero 3", f"train.fp8.all_gather=true with parallel.zero={spec.zero}: "
+                                                         "only FSDP2 with sharded parameters gathers weights. Fix: "
+                                                         "parallel.zero=3, or train.fp8.all_gather=false")
+        elif spec.backend != "nccl":
+            yield Problem("fp8 all-gather needs nccl", f"train.fp8.all_gather=true on the {spec.backend} backend: "
+                                                       "gloo has no float8 type to gather (NCCL has). Fix: "
+                                                       "train.fp8.all_gather=false, or a CUDA cluster")
+    if pr == "fp16" and str(cfg.train.reduce_precision) == "bf16":
+        yield Problem("fp16 with bf16 reduction", "train.precision=fp16 with train.reduce_precision=bf16: the "
+                                                  "gradients are fp16, scaled by the loss scale; rounding their sum "
+                                                  "to bf16 loses what fp16 kept. Fix: train.reduce_precision=fp32")
+
+
+@rule
+def recompute(spec: EngineSpec):
+    """parallel.ac_modules: modules the blocks have, in blocks parallel.ac does not already recompute whole."""
+    mods = spec.ac_modules
+    if not mods:
+        return
+    shown = "[" + ",".join(mods) + "]"
+    if spec.ac == "full":
+        yield Problem("ac_modules with ac=full", f"parallel.ac_modules={shown} with parallel.ac=full: every block is "
+                                                 "recomputed whole already. Fix: parallel.ac=none (or selective: "
+                                                 "the modules then in the blocks it leaves), or parallel.ac_modules=[]")
+    moe = spec.model.moe.experts > 0
+    for m in ("moe", "moe_act"):
+        if m in mods and not moe:
+            yield Problem(f"ac_modules {m} without experts", f"parallel.ac_modules has {m} but the model has no "
+                                                            "Mixture-of-Experts layers (model.moe.experts=0). Fix: "
+                                                            f"drop {m} (mlp recomputes the dense feed-forward's "
+                                                            "activation)")
+    if "mlp" in mods and moe and all_moe(spec.model):
+        yield Problem("ac_modules mlp without dense blocks", "parallel.ac_modules has mlp but every block is a "
+                                                            "Mixture-of-Experts layer. Fix: moe_act (the experts' "
+                                                            "activation) instead of mlp")
+
+
+def all_moe(model) -> bool:
+    return all(moe_layer(model, i) for i in range(model.n_layers))

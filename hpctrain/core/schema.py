@@ -36,7 +36,11 @@ PipelineSchedule = _choice("PipelineSchedule", "gpipe 1f1b interleaved_1f1b zero
 OptimImpl = _choice("OptimImpl", "auto fused foreach for_loop")
 OptimName = _choice("OptimName", "adamw")
 DataSource = _choice("DataSource", "synthetic shards")
-Precision = _choice("Precision", "fp32 bf16")
+Precision = _choice("Precision", "fp32 bf16 fp16 fp8")
+ReducePrecision = _choice("ReducePrecision", "fp32 bf16")
+Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise rowwise_with_gw_hp mxfp8")
+LossImpl = _choice("LossImpl", "chunked full")
+ACModule = _choice("ACModule", "attention mlp moe_act norm moe")
 OffloadTarget = _choice("OffloadTarget", "none cpu nvme")
 OffloadKernel = _choice("OffloadKernel", "auto cpp compile fused")
 LauncherName = _choice("LauncherName", "local slurm sbatch k8s")
@@ -232,6 +236,13 @@ class ParallelConfig:
     memory-efficient and cuDNN kernels; on CPU the CPU flash kernel through the same ring), causal only,
     no document mask; hpctrain: hpctrain's chunk pairs (any device, with or without data.document_mask);
     auto: torch on CUDA in bf16 without a document mask, hpctrain otherwise."""
+    ac_modules: List[ACModule] = field(default_factory=list)
+    """Recomputation by module (Megatron's --recompute-modules), in blocks parallel.ac does not checkpoint
+    whole: attention (the core attention kernel: its output and log-sum-exp are recomputed, q/k/v kept),
+    mlp (the SwiGLU's product inside every dense feed-forward: only the w1 and w3 outputs are kept),
+    moe_act (the same inside the experts), norm (the RMSNorms' outputs: recomputed from their inputs, which
+    the residual stream keeps anyway), moe (the whole MoE layer, its token dispatch included: only its
+    input is kept). [] = none. Not with parallel.ac=full, which already recomputes every block whole."""
     sp_regather: bool = True
     """With tensor parallel: keep 1/tp of each sequence-parallel input the column-parallel linears
     gathered, and all-gather it again in backward (Megatron's way; hpctrain.parallel.regather), instead
@@ -317,6 +328,30 @@ class EvalConfig:
 
 
 @dataclass
+class Fp8Config:
+    """train.precision=fp8: the blocks' linear layers compute in float8 through torchao (docs/precision.md)."""
+
+    recipe: Fp8Recipe = Fp8Recipe("tensorwise")
+    """torchao's scaling recipe: tensorwise (one scale per tensor: the fastest, torchtitan's default),
+    rowwise (a scale per row: more accurate, slower), rowwise_with_gw_hp (rowwise, the weight gradient's
+    GEMM kept in bf16), mxfp8 (a scale per 32 elements; needs SM100, B200 and later)."""
+    all_gather: bool = False
+    """FSDP2 all-gathers the float8 weights with scales precomputed after each optimizer step (half the
+    bytes of bf16): tensorwise only, parallel.zero=3, NCCL only (gloo has no float8 type)."""
+
+
+@dataclass
+class Fp16Config:
+    """train.precision=fp16: dynamic loss scaling (torch.amp.GradScaler), fp32 master weights."""
+
+    init_scale: float = 65536.0
+    """The loss scale of the first step (2^16, torch's default)."""
+    growth_interval: int = 2000
+    """The scale doubles after this many steps in a row without an overflow; an overflow halves it and
+    skips the step on every rank."""
+
+
+@dataclass
 class TrainConfig:
     """The training loop: steps, batch sizes, precision."""
 
@@ -329,8 +364,25 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initial weights (the same model whatever the layout)."""
     precision: Precision = Precision("fp32")
-    """fp32 | bf16: bf16 keeps fp32 master weights and reduces gradients in fp32 (train.reduce_precision)."""
-    reduce_precision: Precision = Precision("fp32")
+    """fp32 | bf16 | fp16 | fp8. bf16 keeps fp32 master weights and reduces gradients in fp32
+    (train.reduce_precision); fp16 (GPUs without bf16: V100, T4) adds dynamic loss scaling (train.fp16);
+    fp8 runs the blocks' linear layers in float8 through torchao (train.fp8) and the rest in bf16. On CPU
+    every one runs (fp8 in torchao's emulation)."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """train.precision=fp8: the scaling recipe and the float8 all-gather."""
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    """train.precision=fp16: the loss scaler."""
+    loss: LossImpl = LossImpl("chunked")
+    """chunked: the output layer and the cross-entropy computed train.loss_chunk tokens at a time, each
+    chunk's gradient made at once and its logits dropped, so the whole logits never exist (as Liger's
+    fused linear cross-entropy); full: the whole logits, then the loss (the reference)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of train.loss=chunked; 0 = enough chunks that one chunk's logits hold about as
+    many elements as the micro-batch's hidden states (tokens / ceil(vocab / dim))."""
+    z_loss_coef: float = 0.0
+    """PaLM's z-loss on the output layer: coef x logsumexp(logits)^2 per trained token, added to the
+    loss (keeps the softmax normaliser near 1; PaLM used 1e-4); 0 = off."""
+    reduce_precision: ReducePrecision = ReducePrecision("fp32")
     """fp32 | bf16: what FSDP2 (parallel.zero=2 or 3) reduces gradients across data-parallel ranks in.
     fp32 sums exactly; bf16 halves the bytes of every reduce-scatter and all-reduce and of the buffers
     they use (torchtitan's mixed_precision_reduce), each sum rounded to bf16 before the fp32 shard takes
@@ -550,7 +602,14 @@ class ClusterConfig:
     device: Device = Device("cpu")
     """The device every rank trains on."""
     peak_tflops: float = 0.1
-    """Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU."""
+    """Peak dense matmul throughput of one device (rank) in TFLOP/s, the denominator of MFU: bf16 (fp16
+    on GPUs without bf16)."""
+    compute_capability: float = 0.0
+    """The GPUs' CUDA compute capability: 7.0 V100, 7.5 T4, 8.0 A100, 9.0 H100 and H200, 10.0 B200. Says
+    which precisions they have: bf16 from 8.0, fp8 from 8.9, mxfp8 from 10.0. 0 = not known (CPU: every
+    precision runs, fp8 emulated)."""
+    fp8_tflops: float = 0.0
+    """Planner: peak dense FP8 matmul throughput of one device, TFLOP/s; 0 = the device has no FP8."""
     device_mem_gb: float = 16.0
     """Memory of one device, GiB (the planner's limit per rank)."""
     host_mem_gb: float = 16.0

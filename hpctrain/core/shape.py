@@ -47,3 +47,15 @@ HF_LINEAR = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "ga
 def is_adapter(name: str) -> bool:
     """A LoRA adapter's parameter (hpctrain.models.lora), by its name."""
     return name.endswith(("lora_A", "lora_B"))
+
+
+def loss_chunk_tokens(tokens: int, vocab: int, dim: int, asked: int = 0) -> int:
+    """Tokens per chunk of the chunked loss (train.loss=chunked) for a micro-batch of `tokens` on one rank:
+    train.loss_chunk where set, else enough chunks that one chunk's logits (chunk x vocab) hold about as
+    many elements as the micro-batch's hidden states (tokens x dim), Liger's rule: tokens / ceil(vocab /
+    dim), rounded up to a power of two. The engine (hpctrain.models.loss) and the planner read it here."""
+    if asked > 0:
+        return max(1, min(asked, tokens))
+    chunks = max(1, -(-vocab // max(1, dim)))
+    per = max(1, -(-tokens // chunks))
+    return min(tokens, 1 << (per - 1).bit_length())

@@ -28,7 +28,9 @@ ZERO_STAGES = (0, 1, 2, 3)
 # Schedules with one stage per rank; V-shaped ones put stage s and 2p-1-s on one rank.
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_SHAPED = ("zbv", "dualpipev")
-FLOAT32, BFLOAT16 = "float32", "bfloat16"  # torch dtype names: getattr(torch, name)
+FLOAT32, BFLOAT16, FLOAT16 = "float32", "bfloat16", "float16"  # torch dtype names: getattr(torch, name)
+# What train.precision computes the matmuls in (fp8: its float8 linears aside, hpctrain.parallel.float8).
+COMPUTE = {"fp32": FLOAT32, "bf16": BFLOAT16, "fp16": FLOAT16, "fp8": BFLOAT16}
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,36 @@ class EngineSpec:
         return bool(self.config.train.compile)
 
     @property
+    def fp8_recipe(self) -> Optional[str]:
+        """torchao's float8 recipe of train.precision=fp8, else None."""
+        return str(self.config.train.fp8.recipe) if self.precision == "fp8" else None
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        return self.precision == "fp8" and bool(self.config.train.fp8.all_gather)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16's dynamic loss scaling (torch.amp.GradScaler): its 5 exponent bits underflow small gradients."""
+        return self.precision == "fp16"
+
+    @property
+    def loss(self) -> str:
+        """chunked | full (train.loss)."""
+        return str(self.config.train.loss)
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the chunked loss as asked (train.loss_chunk); 0 = automatic (loss_chunk_tokens)."""
+        return int(self.config.train.loss_chunk)
+
+    @property
+    def ac_modules(self) -> tuple:
+        """parallel.ac_modules, in the schema's order, each once."""
+        asked = {str(m) for m in self.config.parallel.ac_modules}
+        return tuple(m for m in ("attention", "mlp", "moe_act", "norm", "moe") if m in asked)
+
+    @property
     def cp_attention(self) -> str:
         return str(self.config.parallel.cp_attention)
 
@@ -260,10 +292,10 @@ class EngineSpec:
     @property
     def cp_kernel(self) -> str:
         """torch's context_parallel where it covers the case, else hpctrain's: CUDA, no document mask, and
-        bf16 (with grouped-query K/V only CUDA's flash kernel, a 16-bit one, serves torch's ring)."""
+        16-bit compute (with grouped-query K/V only CUDA's flash kernel, a 16-bit one, serves torch's ring)."""
         k = str(self.config.parallel.cp_kernel)
         if k == "auto":
-            covered = self.device == "cuda" and not self.document_mask and self.precision == "bf16"
+            covered = self.device == "cuda" and not self.document_mask and self.dtypes.compute != FLOAT32
             return "torch" if covered else "hpctrain"
         return k
 
@@ -309,15 +341,17 @@ def data_parallel(zero: int, dp: int, tp: int = 1, pp: int = 1) -> str:
 
 
 def dtypes(precision: str, zero: int, reduce: str = "fp32") -> Dtypes:
-    """FSDP2 (ZeRO 2/3) casts the parameters it gathers to bf16 and reduces in fp32, or in bf16 where
+    """FSDP2 (ZeRO 2/3) casts the parameters it gathers to the 16-bit compute dtype (bf16; fp16; bf16 under
+    fp8, whose float8 linears cast their own inputs) and reduces in fp32, or in bf16 where
     train.reduce_precision says so; DDP and ZeRO-1 keep fp32 parameters, which autocast feeds to the
-    matmuls in bf16 (their gradients, and so the reduction, stay fp32: rules.engine refuses bf16 there).
+    matmuls in 16 bits (their gradients, and so the reduction, stay fp32: rules.engine refuses bf16 there).
     The master weights are fp32 either way."""
     fsdp = zero >= 2
     reduce_dtype = BFLOAT16 if reduce == "bf16" and fsdp else FLOAT32
-    if precision != "bf16":
+    compute = COMPUTE[precision]
+    if compute == FLOAT32:
         return Dtypes(param=FLOAT32, compute=FLOAT32, autocast=False, reduce=reduce_dtype, master=FLOAT32)
-    return Dtypes(param=BFLOAT16 if fsdp else FLOAT32, compute=BFLOAT16, autocast=not fsdp,
+    return Dtypes(param=compute if fsdp else FLOAT32, compute=compute, autocast=not fsdp,
                   reduce=reduce_dtype, master=FLOAT32)
 
 
@@ -583,7 +617,7 @@ KNOBS = {
     "pp_layers": "parallel.pp_layers", "grad_sync": "parallel.grad_sync", "sp_regather": "parallel.sp_regather",
     "cp_attention": "parallel.cp_attention", "cp_kernel": "parallel.cp_kernel",
     "micro_batch": "train.micro_batch", "global_batch": "train.global_batch", "precision": "train.precision",
-    "reduce_precision": "train.reduce_precision",
+    "reduce_precision": "train.reduce_precision", "loss": "train.loss", "ac_modules": "parallel.ac_modules",
     "compile": "train.compile", "seq_len": "data.seq_len", "document_mask": "data.document_mask",
     "offload": "offload.target", "master_on_nvme": "offload.master_on_nvme",
 }

@@ -19,7 +19,7 @@ from hpctrain.plan.moe import (dense_ffn_activation, expert_activation_bytes, ex
                                stage_moe_layers)
 
 GiB = 2**30
-BYTES = {"bf16": 2, "fp32": 4}
+BYTES = {"bf16": 2, "fp32": 4, "fp16": 2, "fp8": 2}  # per activation element (fp8: its linears aside, bf16)
 # Gradients are kept (and, but with train.reduce_precision=bf16 under FSDP2, reduced) in fp32 whatever
 # the compute precision (hpctrain.core.spec.dtypes).
 GRAD_BYTES = 4
@@ -252,7 +252,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
     """
     pb = 4 if autocast else BYTES[precision]
     n = max(1, shard)
-    master = 4 if precision == "bf16" and not autocast else 0
+    master = 4 if precision != "fp32" and not autocast else 0
     state = {"params": pb * params / (n if zero >= 3 else 1),
              "grads": pb * params / (n if zero >= 2 else 1),
              "master": master * params / (n if zero >= 1 else 1),

@@ -51,7 +51,7 @@ EAGER_BYTES = {"norm": 36, "add": 6, "rope": 48, "swiglu": 10, "copy": 4}
 CE_BYTES = 40
 # Optimizer step: Adam reads master, grad, m, v and writes master, m, v (4 bytes each) plus the
 # low-precision copy of the parameter.
-ADAM_BYTES = {"bf16": 30, "fp32": 28}
+ADAM_BYTES = {"bf16": 30, "fp32": 28, "fp16": 30, "fp8": 30}
 # The bubble of each schedule relative to 1F1B's (p-1) micro-batch times. ZB-H1 leaves about a
 # third (Qi et al. 2023: (p-1)(F+B-W) with F = B = W); ZBV and DualPipeV about a sixth. Interleaving
 # divides by the stages each rank runs (Narayanan et al. 2021), for zero_bubble too (torch's
