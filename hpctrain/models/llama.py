@@ -18,6 +18,7 @@ from hpctrain.core.schema import ModelConfig
 from hpctrain.core.shape import head_dim, moe_layer
 from hpctrain.models.attention import causal_attention
 from hpctrain.models.ffn import FeedForward
+from hpctrain.models.loss import OutputHead
 from hpctrain.models.dispatch import local_weight
 from hpctrain.models.moe import MoE, moe_modules
 
@@ -169,23 +170,27 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleDict({str(i): Block(a, moe_layer(a, i)) for i in range(a.n_layers)})
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.output = OutputHead(a.dim, a.vocab_size)  # with targets, the loss (hpctrain.models.loss)
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, so checkpoints never carry it.
         self.register_buffer("rope", rope_tables(a, max_seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq), or the hidden states on a later pipeline stage. positions (batch, seq):
         each token's position where it is not its index; documents (batch, seq): a document id per token,
-        no token attending to another document's (data.document_mask)."""
+        no token attending to another document's (data.document_mask). Returns the logits, or with
+        `targets` (batch, seq) the summed loss of the trained tokens (the output layer and the loss in one,
+        hpctrain.models.loss); a stage without the output layer returns its hidden states either way."""
         # Any of these may be None on a pipeline stage that does not own it.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope, positions, documents)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if targets is None else self.output(h, targets=targets)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """The buffers a meta-device model materialized empty: RoPE's tables, the routers' biases

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hpctrain.models.lora import apply_lora, store_frozen_as
+from hpctrain.models.loss import set_loss
 from hpctrain.models.moe import moe_modules
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
@@ -47,6 +48,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
                 pin_memory: bool = True) -> Parallelized:
     """`model` must be on the meta device."""
     init = partial(materialize, device=device, seed=seed, init_param_=init_param_)
+    set_loss(model, spec.loss, spec.loss_chunk, spec.config.train.z_loss_coef)
     pipe = spec.pipeline
     if pipe:
         ids = pipe.stage_ids(meshes["pp"].get_local_rank())

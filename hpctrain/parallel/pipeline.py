@@ -52,7 +52,7 @@ def build_schedule(stages: list, schedule: str, n_microbatches: int, loss_fn):
 
 def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn, device) -> "torch.Tensor":
     """Mean loss of `micro` [(inputs, targets, model keyword arguments)] through every stage in order,
-    forward only.
+    forward only. loss_fn(loss, targets) scales the last stage's summed loss.
 
     `stages` maps this rank's stage indices to their modules; `owner[s]` is the pipeline rank of stage
     s. torch's schedules run forward-only passes (`eval`) for some kinds only (not the V-shaped ones),
@@ -72,7 +72,9 @@ def forward_only(stages: dict, owner: list[int], me: int, group, micro, loss_fn,
                     dist.recv(shape, group_src=owner[s - 1], group=group)
                     h = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
                     dist.recv(h, group_src=owner[s - 1], group=group)
-                h = stages[s](x.to(device) if s == 0 else h, **kw)
+                # the last stage's output layer computes the loss (hpctrain.models.loss)
+                extra = {"targets": y.to(device)} if s == last else {}
+                h = stages[s](x.to(device) if s == 0 else h, **kw, **extra)
                 if s < last and owner[s + 1] != me:
                     dist.send(torch.tensor(h.shape, dtype=torch.int64, device=device), group_dst=owner[s + 1], group=group)
                     dist.send(h.float().contiguous(), group_dst=owner[s + 1], group=group)

@@ -21,9 +21,9 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
     if model.norm is not None:
         root_plan["norm"] = SequenceParallel()
     if model.output is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                              output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                              use_local_output=not loss_parallel)
+        root_plan["output"] = LossParallel(input_layouts=Shard(1),
+                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                           use_local_output=not loss_parallel)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
 
@@ -59,6 +59,18 @@ def apply_tp(model: nn.Module, tp_mesh, loss_parallel: bool = True) -> nn.Module
             replicate_params(block.attention.q_norm, tp_mesh)
             replicate_params(block.attention.k_norm, tp_mesh)
     return model
+
+
+class LossParallel(ColwiseParallel):
+    """The output layer split over the vocabulary (ColwiseParallel), which also computes the loss: called
+    with targets (hpctrain.models.loss.OutputHead) it returns the summed loss, a plain tensor the same on
+    every TP rank, which passes through as it is; logits come out split over the vocabulary as before."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor) or outputs.ndim == 0:  # the loss (train.loss=full: a DTensor)
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def replicate_params(module: nn.Module, tp_mesh) -> None:

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -199,9 +198,10 @@ class Trainer:
             stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.spec.dtypes.compute)))
         return stack
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's part of the step's loss: its summed token losses times _loss_scale."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    def loss_fn(self, loss: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """This micro-batch's part of the step's loss: its summed token losses, which the model's output layer
+        computes given the targets (hpctrain.models.loss), times _loss_scale. (A pipeline schedule passes the
+        targets again: the last stage's forward has had them.)"""
         return loss * self._loss_scale
 
     _loss_scale = 1.0
@@ -240,7 +240,7 @@ class Trainer:
             x, y, kw = self._on_device(*self.batch(x, y))
             with self._sync_context(i == len(micro) - 1), self._compute_context():
                 with self._phase("forward"):
-                    loss = self.loss_fn(self.parts[0](x, **kw), y)
+                    loss = self.loss_fn(self.parts[0](x, targets=y, **kw))
                 with self._phase("backward"):
                     loss.backward()
             loss_sum += _plain(loss.detach())
@@ -265,8 +265,9 @@ class Trainer:
         with self._compute_context():
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits.
             # kw (positions, documents) reach every stage's forward, split into micro-batches as x is.
+            # The targets also reach every stage's forward: the last one's output layer computes the loss.
             self.schedule.step(*args, target=y if self.par.last else None, losses=losses, return_outputs=False,
-                               **kw)
+                               targets=y, **kw)
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
         loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
                 else torch.zeros((), device=self.device))
@@ -342,8 +343,7 @@ class Trainer:
             for x, y in micro:
                 x, y, kw = self._on_device(*self.batch(x, y))
                 with self._compute_context():
-                    logits = self.parts[0](x, **kw)
-                    loss += _plain(self.loss_fn(logits, y).detach())
+                    loss += _plain(self.loss_fn(self.parts[0](x, targets=y, **kw)).detach())
             return loss
         p = self.spec.pipeline
         owner = [r for s in range(p.stages) for r in range(p.ranks) if s in p.stage_ids(r)]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 
-IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index, Hugging Face's label convention)
+from hpctrain.models.loss import IGNORE  # a target the loss skips (torch's ignore_index, Hugging Face's label convention)
 
 
 class StepSampler:

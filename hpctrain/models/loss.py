@@ -1,0 +1,158 @@
+"""The output layer and the training loss in one module, so that the whole logits never need to exist.
+
+`OutputHead` is the model's output projection (an `nn.Linear`: the same weight, name and checkpoints as
+before). Called with hidden states alone it returns the logits; called with `targets` it returns the
+summed token losses of the micro-batch (cross-entropy over the trained tokens, plus PaLM's z-loss where
+asked), computed one of two ways:
+
+- chunked (train.loss=chunked, the default): `chunk` tokens at a time. Each chunk's logits are made,
+  reduced to the chunk's losses and, while they are at hand, turned into the chunk's gradients for the
+  hidden states and the output weight (Liger-Kernel's fused linear cross-entropy, Hsu et al. 2024); then
+  they are dropped. Backward only scales the gradients made in forward by the loss's incoming gradient
+  (a scalar): no logits are kept and none are recomputed, and the FLOPs are those of the full path.
+  What lives at once is one chunk's logits, the hidden states' gradient (the size of the hidden states)
+  and the weight's gradient accumulated in fp32.
+- full (train.loss=full): the logits, then torch's cross-entropy: the reference the chunked path is
+  tested against.
+
+Under tensor parallel the weight is split over the vocabulary (hpctrain.parallel.tensor.LossParallel):
+each rank computes its slice of every chunk's logits and the ranks agree on each token's log-sum-exp
+and target logit with two all-reduces per chunk (Megatron's vocabulary-parallel cross-entropy, done per
+chunk). The hidden states' gradient is then a partial sum over the ranks, which DTensor reduces.
+
+The module knows nothing else of parallelism: context parallel gives it its own tokens, pipeline
+parallel runs it on the last stage, FSDP2 gathers its weight as any other module's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.core.shape import loss_chunk_tokens
+
+IGNORE = -100  # targets that are not trained (chat data's prompts): torch's ignore_index
+
+
+class OutputHead(nn.Linear):
+    """The output projection: logits, or with `targets` the micro-batch's summed token losses."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, vocab, bias=False)
+        # How the loss is computed (set from the run's config: set_loss).
+        self.impl, self.chunk, self.z_loss = "chunked", 0, 0.0
+
+    def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if targets is None:
+            return F.linear(h, self.weight)
+        if self.impl == "full":
+            return full_loss(F.linear(h, self.weight), targets, self.z_loss)
+        return chunked_loss(h, self.weight, targets, self.chunk, self.z_loss)
+
+
+def set_loss(model: nn.Module, impl: str, chunk: int = 0, z_loss: float = 0.0) -> None:
+    """How `model`'s output head computes the loss: train.loss, train.loss_chunk, train.z_loss_coef."""
+    for m in model.modules():
+        if isinstance(m, OutputHead):
+            m.impl, m.chunk, m.z_loss = impl, chunk, z_loss
+
+
+def full_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Summed cross-entropy of the trained tokens (fp32), plus z_loss x logsumexp^2 of each: the whole logits
+    at once (under tensor parallel, in torch's loss_parallel context, split over the vocabulary)."""
+    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    if z_loss:
+        lse = torch.logsumexp(logits, dim=-1)
+        if hasattr(lse, "full_tensor"):  # tensor parallel: replicated DTensors, as plain tensors
+            lse, loss = lse.full_tensor(), loss.full_tensor()
+        loss = loss + z_loss * (lse.pow(2) * (targets != IGNORE)).sum()
+    return loss
+
+
+def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 0,
+                 z_loss: float = 0.0) -> torch.Tensor:
+    """full_loss(h @ weight.T, targets, z_loss) without the whole logits: `chunk` tokens at a time (0: as
+    hpctrain.core.shape.loss_chunk_tokens says). h (batch, seq, dim), or under tensor parallel a DTensor
+    replicated over the TP ranks with the weight a DTensor split over the vocabulary (dim 0)."""
+    group, start = None, 0
+    if hasattr(weight, "to_local"):  # vocabulary-parallel: this rank's rows of the weight
+        from torch.distributed.tensor import Partial
+
+        mesh = weight.device_mesh
+        group = mesh.get_group()
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]  # Shard(0) splits evenly (model.vocab_size % tp == 0)
+        # every rank's gradient for the (replicated) hidden states is its slice's share: a partial sum
+        h = h.to_local(grad_placements=[Partial()]) if hasattr(h, "to_local") else h
+        weight = local
+    flat_h, flat_t = h.flatten(0, -2), targets.flatten()
+    n = flat_h.shape[0]
+    size = loss_chunk_tokens(n, weight.shape[0] * (dist.get_world_size(group) if group is not None else 1),
+                             weight.shape[1], chunk)
+    grads = torch.is_grad_enabled()  # evaluation (no_grad) computes the losses only
+    return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, size, float(z_loss), group, start, grads)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """(h (n, dim), weight (vocab slice, dim), targets (n,)) -> the summed loss; see the module's docstring."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk: int, z_loss: float, group, start: int, grads: bool):
+        want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        # Explicit dtypes: under autocast (DDP, ZeRO-1) h arrives in 16 bits and the weight in fp32; the
+        # matmuls run in h's dtype, as autocast would run them, the softmax in fp32.
+        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 (float64 stays float64)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(h.dtype)
+            total = torch.zeros((), dtype=acc, device=h.device)
+            grad_h = torch.empty_like(h) if want_h else None
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_w else None
+            vocab = w.shape[0]
+            for s in range(0, h.shape[0], chunk):
+                hc, tc = h[s:s + chunk], targets[s:s + chunk]
+                logits = (hc @ w.t()).to(acc)
+                keep = tc != IGNORE
+                local_t = tc - start
+                owned = keep & (local_t >= 0) & (local_t < vocab)
+                picked = logits.gather(1, local_t.clamp(0, vocab - 1)[:, None]).squeeze(1) * owned
+                top = logits.amax(dim=-1)
+                if group is not None:
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+                # exp in place: the chunk's logits become its softmax numerators (one fp32 chunk alive)
+                probs = logits.sub_(top[:, None]).exp_()
+                sums = torch.stack((probs.sum(dim=-1), picked))
+                if group is not None:
+                    dist.all_reduce(sums, group=group)
+                lse = top + sums[0].log()
+                token = (lse - sums[1]) * keep
+                if z_loss:
+                    token = token + z_loss * lse.pow(2) * keep
+                total += token.sum()
+                if not (want_h or want_w):
+                    continue
+                # d loss / d logit_j = softmax_j (1 + 2 z lse) - [j is the target], for trained tokens
+                scale = (1.0 + 2.0 * z_loss * lse) * keep / sums[0]
+                g = probs.mul_(scale[:, None])
+                rows = owned.nonzero().squeeze(1)
+                g[rows, local_t[rows]] -= 1.0
+                g = g.to(h.dtype)
+                if want_h:
+                    torch.mm(g, w, out=grad_h[s:s + chunk])
+                if want_w:
+                    grad_w += (g.t() @ hc).to(acc)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.want = (want_h, want_w)
+        ctx.w_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        want_h, want_w = ctx.want
+        gh = saved.pop(0) * grad_out if want_h else None  # (stays in h's dtype: grad_out is a 0-dim fp32)
+        gw = (saved.pop(0) * grad_out).to(ctx.w_dtype) if want_w else None
+        return gh, gw, None, None, None, None, None, None
