@@ -690,3 +690,106 @@ def test_masked_context_parallel_on_cuda_is_refused_not_priced():
     res = search(job, Space(zeros=(3,), offloads=("none",), acs=("full",), micro_batches=(1,)))
     assert res.failures["cp on CUDA with hpctrain's kernel (unpriced)"] > 0
     assert all(c.job.spec.layout.cp == 1 for c in res.ranked)
+
+
+# --- issue 45: the chunked loss, fp16 and fp8, searched --------------------------------------
+
+# NeMo AutoModel's published Qwen3-30B-A3B layout (its performance summary, 2025-10: 8 H100, FSDP2 + EP 8,
+# micro-batch 4, sequence 4096, global batch 512, bf16; 12,040 tokens/s per GPU, a fused linear cross-entropy)
+QWEN3_30B = ["model=qwen3_30b_a3b", "cluster=h100", "launcher=sbatch", "parallel.dp_shard=8", "parallel.ep=8",
+             "parallel.zero=3", "train.micro_batch=4", "data.seq_len=4096", "train.global_batch=512",
+             "train.precision=bf16", "parallel.ac=full"]
+
+
+def test_nemo_automodel_qwen3_30b_layout_fits_with_the_chunked_loss():
+    """The whole logits of 4 x 4096 tokens over a 151,936 vocabulary (bf16 + fp32 copy + fp32 gradient,
+    24.9 GB) took this layout to 92.6 GiB; the chunked loss (the default) holds one chunk's: tokens /
+    ceil(vocab / dim) = 16384 / 75 -> 219, rounded up to 256 tokens (Liger's rule), at least 1024 tokens
+    (hpctrain.core.shape.MIN_LOSS_CHUNK), in bf16 the matmul's output, its fp32 copy turned into the
+    gradient in place, the gradient cast back and half a chunk of the weight gradient's GEMM (2 + 4 + 2 + 3
+    bytes), plus the head input's gradient and the output weight's fp32 gradient until the head's
+    backward. Mutants: the chunk's logits priced over the whole micro-batch; the held gradients left out;
+    the floor left out."""
+    chunked = job_of(compose(QWEN3_30B))
+    mem = memory(chunked)
+    assert mem.fits and mem.device_total < 80 * GiB, mem.problems
+    V, d, tokens = 151936, 2048, 4 * 4096
+    assert mem.device["logits"] == 1024 * V * (2 + 4 + 2 + 3)
+    assert mem.device["loss_grads"] == tokens * d * 2 + V * d * 4
+    full = memory(job_of(compose(QWEN3_30B + ["train.loss=full"])))
+    assert full.device["logits"] == tokens * V * (2 + 4 + 4)
+    assert not full.fits and "train.loss=chunked" not in full.problems[0]  # its largest part is the moments
+    assert full.device_total - mem.device_total > 20 * GiB
+    t = throughput(chunked)
+    print(f"\nQwen3-30B-A3B, NeMo AutoModel's layout: {mem.device_total / GiB:.1f} GiB, "
+          f"{t.tokens_per_s / chunked.world:,.0f} tokens/s per GPU predicted (12,040 published)")
+
+
+def test_chunked_loss_costs_the_same_flops_in_thinner_gemms():
+    """The chunked loss does the output layer's three GEMMs in the forward, chunk by chunk: the same FLOPs
+    as the full logits, each chunk reading the whole output weight again. Priced slower than the full
+    loss on the last stage, never faster (Llama 3 8B at 8K tokens: 8 chunks of 1024 tokens); under TP its
+    two vocab-parallel all-reduces run per chunk. Mutants: the chunk GEMMs priced as one GEMM of the whole
+    micro-batch (no slower), or with the backward's two GEMMs left out."""
+    from hpctrain.plan import throughput as T
+
+    job = job_of(compose(H100_8B + ["train.micro_batch=2"]))
+    full = job.with_(loss="full")
+    hw = T.Hardware.of(job)
+    a, b = T.output_layer(job, hw, job.tokens), T.output_layer(full, hw, full.tokens)
+    # 8192 / ceil(128256 / 4096) = 256 by Liger's rule, raised to the floor of 1024 tokens
+    assert T.loss_chunk(job) == 1024 and T.loss_chunks(job) == 8
+    assert a["fwd"] > 3 * 8 * hw.gemm(1024, 4096, 128256) >= 3 * hw.gemm(8192, 4096, 128256)
+    assert b["fwd"] + b["bwd"] < a["fwd"] + a["bwd"] < 1.6 * (b["fwd"] + b["bwd"])
+    tp = job.with_(layout=Layout(pp=1, dp_replicate=1, dp_shard=4, tp=2))
+    ce = [c for c in throughput(tp).collectives if c["dim"] == "tp" and c["bytes"] == T.loss_chunk(tp) * 6]
+    assert ce and ce[0]["count"] == 2 * tp.microbatches * T.loss_chunks(tp)
+
+
+def test_fp16_prices_the_scaler_and_the_fp16_peak():
+    """fp16 (V100, T4): bf16's bytes, the cluster's peak (the preset's fp16 figure), plus the GradScaler's
+    unscale and inf check over the rank's fp32 gradients once a step (12 bytes each) and one flag
+    all-reduce. Mutants: the scaler unpriced; fp16 priced at fp32's TF32 half rate."""
+    v100 = job_of(compose(["model=1b", "cluster=v100", "launcher=sbatch", "train.precision=fp16",
+                           "data.seq_len=2048", "train.global_batch=32", "train.micro_batch=1", "parallel.zero=3"]))
+    t, c = throughput(v100), v100.cluster
+    from hpctrain.plan import throughput as T
+    grads = param_counts(v100.model)["total"] / v100.zero_group
+    assert t.breakdown["loss_scaling"] == pytest.approx(grads * 12 / (c.hbm_gbps * 1e9), rel=0.2)
+    assert t.breakdown["loss_scaling"] >= grads * 12 / (c.hbm_gbps * 1e9)
+    assert T.Hardware.of(v100).flops == pytest.approx(c.peak_tflops * 1e12 * c.matmul_efficiency)
+    assert "loss_scaling" not in throughput(v100.with_(precision="fp32")).breakdown
+
+
+def test_search_tries_fp8_where_the_gpu_has_it_and_the_losses():
+    """A bf16 request on H100 is also priced in fp8 (torchao's float8 linears) and each fitting layout with
+    the other loss; on A100 (no FP8) never fp8, and a fp32 or fp16 request keeps its precision. The best's
+    overrides reproduce it. Mutants: fp8 tried on A100 (the rule book refuses it there, so a fitting fp8
+    row would mean the rules were skipped); precision missing from the choice (parallel=auto would not
+    apply it)."""
+    from hpctrain.core.spec import overrides_of, updated
+    from hpctrain.plan.search import choice, knobs
+
+    space = Space(zeros=(3,), offloads=("none",), acs=("full",), micro_batches=(1, 2))
+    h100 = job_of(compose(H100_8B))
+    res = search(h100, space)
+    seen = {(knobs(c.job)["precision"], knobs(c.job)["loss"]) for c in res.ranked}
+    assert seen == {("bf16", "chunked"), ("bf16", "full"), ("fp8", "chunked"), ("fp8", "full")}
+    best = res.ranked[0]
+    assert best.job.spec.precision == "fp8"
+    chosen = updated(h100.spec.config, choice(best.job))
+    assert "train.precision=fp8" in overrides_of(choice(best.job))
+    again = job_of(chosen)
+    assert knobs(again) == knobs(best.job)
+    assert throughput(again).tokens_per_s == pytest.approx(best.time.tokens_per_s)
+    a100 = job_of(compose([*H100_8B, "cluster=a100"]))
+    assert {c.job.spec.precision for c in search(a100, space).ranked} == {"bf16"}
+    fp32 = h100.with_(precision="fp32")
+    assert {c.job.spec.precision for c in search(fp32, space).ranked} <= {"fp32"}
+    forced = search(a100, replace_space(space, precisions=("bf16", "fp8")))
+    assert {c.job.spec.precision for c in forced.ranked} == {"bf16"}  # the rules refuse fp8 on A100
+
+
+def replace_space(space, **kw):
+    from dataclasses import replace
+    return replace(space, **kw)

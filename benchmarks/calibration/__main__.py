@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in fitted.items():
             print(f"{k}: matmul_efficiency {v['matmul_efficiency']}, attention_efficiency "
                   f"{v['attention_efficiency']} (fitted on {v['rows']} rows of {', '.join(v['sources'])})")
+        f8 = fit.fit_fp8(use)
+        print(f"FP8: FP8_EFFICIENCY {f8['FP8_EFFICIENCY']}, ROWWISE_RATE {f8['ROWWISE_RATE']} (fitted on {f8['rows']} "
+              f"speedups of {', '.join(f8['sources'])}; hpctrain/plan/throughput.py holds them: --write leaves them)")
         if a.write:
             print("wrote " + ", ".join(fit.write(fitted)))
         print()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable, Iterable, Optional
 
 from hpctrain.core.compose import conf_dir
+from hpctrain.plan import throughput as plan_throughput
 from hpctrain.plan.search import search
 from hpctrain.plan.throughput import throughput
 from hpctrain.plan.verdict import describe, explain
@@ -47,8 +49,8 @@ def fit(rows: Optional[list] = None, price: Callable = throughput) -> dict:
     """{kind: {constant: value}} fitted on the fit rows of each GPU kind."""
     rows = rows if rows is not None else usable()
     out = {}
-    for k in sorted({kind(p) for p in rows if p.fit}):
-        mine = [p for p in rows if p.fit and kind(p) == k]
+    for k in sorted({kind(p) for p in rows if p.fit and not p.fp8}):
+        mine = [p for p in rows if p.fit and not p.fp8 and kind(p) == k]
         base = preset(k)
         best = (math.inf, base.matmul_efficiency, base.attention_efficiency)
         lo, hi, step = (0.3, 0.1), (0.95, 0.95), 0.05
@@ -69,6 +71,57 @@ def fit(rows: Optional[list] = None, price: Callable = throughput) -> dict:
     return out
 
 
+FP8_FITTED = ("FP8_EFFICIENCY", "ROWWISE_RATE")
+
+
+@contextmanager
+def fp8_constants(efficiency: float, rowwise: float):
+    """The planner priced with these FP8 constants (hpctrain.plan.throughput's module constants, which
+    every cluster without a cluster.fp8_efficiency of its own takes), restored afterwards."""
+    old = (plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE)
+    plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE = efficiency, rowwise
+    try:
+        yield
+    finally:
+        plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE = old
+
+
+def speedup_pairs(rows: list) -> list:
+    """(fp8 row, the bf16 row of the same table, model, GPUs and layout) pairs of the FP8 fit rows."""
+    out = []
+    for p in rows:
+        if not (p.fit and p.fp8):
+            continue
+        same = [q for q in rows if not q.fp8 and q.row["source"] == p.row["source"]
+                and q.id == p.id and q.row["micro_batch"] == p.row["micro_batch"]]
+        if same:
+            out.append((p, same[0]))
+    return out
+
+
+def fit_fp8(rows: Optional[list] = None) -> dict:
+    """FP8_EFFICIENCY and ROWWISE_RATE fitted on the FP8 fit rows' published speedups over bf16 (each
+    FP8 row over its table's bf16 row: the 16-bit prediction's own error stays out of the FP8 constants),
+    squared log error, on a grid refined twice. Every FP8 row of another table is held out (published.FP8_FIT)."""
+    rows = rows if rows is not None else usable()
+    pairs = speedup_pairs(rows)
+    base = {id(q): predict(q).tokens for _, q in pairs}
+    best = (math.inf, plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE)
+    lo, hi, step = (0.2, 0.4), (0.9, 1.0), 0.05
+    for _ in range(3):
+        for a in _grid(lo[0], hi[0], step):
+            for b in _grid(lo[1], hi[1], step):
+                with fp8_constants(a, b):
+                    err = sum(math.log(predict(p).tokens / base[id(q)] / (p.tokens / q.tokens)) ** 2
+                              for p, q in pairs)
+                if err < best[0]:
+                    best = (err, a, b)
+        lo, hi = (best[1] - step, best[2] - step), (best[1] + step, best[2] + step)
+        step /= 5
+    return {"FP8_EFFICIENCY": round(best[1], 3), "ROWWISE_RATE": round(min(1.0, best[2]), 3), "rows": len(pairs),
+            "sources": sorted({p.row["source"] for p, _ in pairs})}
+
+
 def _grid(lo: float, hi: float, step: float) -> list:
     n = int(round((hi - lo) / step))
     return [round(min(0.99, max(0.02, lo + i * step)), 4) for i in range(n + 1)]
@@ -78,10 +131,10 @@ def presets_of(fitted: dict) -> dict:
     return {k: replace(preset(k), **{c: v[c] for c in FITTED}) for k, v in fitted.items()}
 
 
-def summary(preds: list, fitted: bool) -> dict:
-    """Rows, median |error|, worst error and rows outside BOUND, of the fit or the held-out rows (rows
-    of engines the planner does not model are left out)."""
-    errs = [x.error for x in preds if x.row.fit == fitted and not x.row.source.unmodelled]
+def summary(preds: list, fitted: bool, fp8: bool = False) -> dict:
+    """Rows, median |error|, worst error and rows outside BOUND, of the fit or the held-out rows, 16-bit
+    or FP8 (rows of engines the planner does not model are left out)."""
+    errs = [x.error for x in preds if x.row.fit == fitted and x.row.fp8 == fp8 and not x.row.source.unmodelled]
     if not errs:
         return {"rows": 0, "median": 0.0, "worst": 0.0, "outside": 0}
     return {"rows": len(errs), "median": statistics.median(abs(e) for e in errs),
@@ -98,15 +151,19 @@ def table(preds: list) -> str:
     head = (f"{'source':<30} {'model':<14} {'GPUs':>13} {'layout':<22} {'software':<16} {'tok/s/GPU':>9} {'pred':>9} "
             f"{'error':>7} {'TFLOP/s':>7} {'pred':>6} {'hw pred':>7} {'mem GiB':>7} {'pred':>5}  unpublished knobs")
     out = []
-    for fitted in (True, False):
-        group = [x for x in preds if x.row.fit == fitted]
-        out.append(("FIT rows (constants fitted on these)" if fitted else "HELD-OUT rows (not used by the fit)"))
+    for fp8, fitted in ((False, True), (False, False), (True, True), (True, False)):
+        group = [x for x in preds if x.row.fit == fitted and x.row.fp8 == fp8]
+        if fp8:
+            out.append("FP8 FIT rows (FP8_EFFICIENCY and ROWWISE_RATE fitted on their speedups over bf16)"
+                       if fitted else "FP8 HELD-OUT rows (not used by the fit)")
+        else:
+            out.append("FIT rows (constants fitted on these)" if fitted else "HELD-OUT rows (not used by the fit)")
         out.append(head)
         for x in group:
             out.append(_line(x) + (" [not modelled]" if x.row.source.unmodelled else ""))
-        s = summary(preds, fitted)
-        out.append(f"{'fit' if fitted else 'held-out'}: {s['rows']} rows, median |error| {s['median']:.1%}, "
-                   f"worst {s['worst']:+.1%}, {s['outside']} outside {BOUND:.0%}")
+        s = summary(preds, fitted, fp8)
+        out.append(f"{'FP8 ' if fp8 else ''}{'fit' if fitted else 'held-out'}: {s['rows']} rows, median |error| "
+                   f"{s['median']:.1%}, worst {s['worst']:+.1%}, {s['outside']} outside {BOUND:.0%}")
         for why in sorted({x.row.source.unmodelled for x in group if x.row.source.unmodelled}):
             out.append(f"  [not modelled]: {why}")
         out.append("")

@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from hpctrain.core.compose import conf_dir
 from hpctrain.core.flops import param_counts
-from hpctrain.core.schema import ClusterConfig, ModelConfig
-from hpctrain.core.spec import Layout
-from hpctrain.plan.memory import Job, memory
+from hpctrain.core.schema import ClusterConfig, Fp8Config, Fp8Recipe, ModelConfig
+from hpctrain.core.spec import Layout, updated
+from hpctrain.plan.memory import Job, memory, spec_on
 from hpctrain.plan.throughput import (DEEPSPEED_2021, HPCTRAIN, LLM_FOUNDRY, LLM_FOUNDRY_TORCH1, MEGATRON,
                                       MEGATRON_2021, TORCH_ASYNC_TP, Software, throughput)
 
@@ -100,6 +100,8 @@ SOURCES = {
     "megatron_bridge_perf_summary": Source("model_tflops_per_gpu", _bridge, MEGATRON, "Megatron-Bridge"),
     "llm_foundry_mpt": Source("tokens_per_s_per_gpu", _mpt, LLM_FOUNDRY, "llm-foundry (PyTorch FSDP)",
                               gpt=True, tied=True),
+    # torchao's float8 README table: torchtitan (FSDP2 + compile) on 8 H100, bf16 and two float8 recipes
+    "torchao_float8_readme": Source("tokens_per_s_per_gpu", _palm, HPCTRAIN, _TT, compile=True),
 }
 
 # The rows the per-GPU constants are fitted on (calibration.fit): by source, and for llm-foundry by
@@ -109,6 +111,14 @@ SOURCES = {
 # structure (TP, pipeline bubbles, interleaving, other engines' profiles), not the fit. Also held
 # out: llm-foundry's A100 40GB and H100 large-scale tables, torchtitan's async-TP table.
 FIT = {"torchtitan_h100_202412": (), "llm_foundry_mpt": ("table 'H100 80GB BF16'", "table 'A100 80GB")}
+# The FP8 rows' split, fixed before the FP8 constants (hpctrain.plan.throughput.FP8_EFFICIENCY and
+# ROWWISE_RATE) were fitted: fitted on torchao's float8 README table alone (Llama 3 8B, 8 H100, FSDP2 +
+# compile: tensorwise with float8 all-gather, rowwise), every other float8 row held out: torchtitan's
+# 2024-12 tables (8-512 GPUs, FSDP, TP, PP, CP), its async-TP table (tensorwise and rowwise under TP 8),
+# Trainy's H200 runs, llm-foundry's H100 FP8 table (Transformer Engine), NeMo 24.07 and Megatron-Bridge
+# (Transformer Engine's FP8). The 16-bit fit (FIT) never takes an FP8 row, and torchao's bf16 row is held
+# out of it.
+FP8_FIT = ("torchao_float8_readme",)
 
 # The torch each llm-foundry table ran on decides what its activation checkpointing recomputes
 # (Software.recompute_last_linear): setup.py at the commit that published the table pins
@@ -165,7 +175,14 @@ class Published:
         return f"{r['source']} | {r['model']} | {r['num_gpus']}x{r['gpu']} | {lay} | s{r['seq_len']}"
 
     @property
+    def fp8(self) -> bool:
+        return self.row["precision"] == "fp8"
+
+    @property
     def fit(self) -> bool:
+        """Fitted on: an FP8 row of FP8_FIT, or a 16-bit row of FIT."""
+        if self.fp8:
+            return self.row["source"] in FP8_FIT
         tables = FIT.get(self.row["source"])
         return tables is not None and (not tables or self.row["notes"].startswith(tables))
 
@@ -196,8 +213,6 @@ def unusable(r: dict) -> str:
     """Why the planner cannot price this row ('' if it can)."""
     if r["source"] not in SOURCES:
         return "unknown source"
-    if r["precision"] == "fp8":
-        return "fp8 (the planner prices 16-bit runs)"
     if not all(r[k] for k in ("layers", "hidden", "heads", "vocab", "seq_len", "num_gpus")):
         return "model shape or GPU count not published"
     if r["gpu"] not in GPUS:
@@ -267,15 +282,21 @@ def published(r: dict) -> Published:
     value = _float(r[src.column])
     p.tokens = value if src.column == "tokens_per_s_per_gpu" else value * 1e12 / src.flops(m, s, n)
     zero = _int(r["zero"], 3)
+    fp8 = fp8_of(r, zero)
     # context parallel: all-gather where the row says so (Llama 3), else a ring (Megatron-Core's p2p default)
     knobs = dict(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, cp=cp), global_batch=_int(r["global_batch"]),
                   cp_attention="allgather" if "all-gather CP" in r["notes"] else "ring",
-                  seq_len=s, precision="bf16", zero=zero, compile=src.compile or "compile" in r["notes"],
+                  # every engine here materialised the whole logits (train.loss=full)
+                  seq_len=s, precision="fp8" if fp8 else "bf16", zero=zero, loss="full",
+                  compile=src.compile or "compile" in r["notes"],
                   # Megatron re-gathers the sequence-parallel inputs in backward; torchtitan keeps them.
                   sp_regather=p.software is MEGATRON)
     # Megatron-LM of 2021 had no sequence parallelism.
     base = Job.of(m, cluster_for(r["gpu"], gpus), **knobs, sequence_parallel=p.software.sequence_parallel,
                   engine=p.software.engine)
+    if fp8:  # the recipe and the float8 all-gather are not search knobs: set on the config itself
+        f8 = Fp8Config(recipe=Fp8Recipe(fp8[0]), all_gather=fp8[1])
+        base = replace(base, spec=spec_on(updated(base.spec.config, {"train.fp8": f8})))
     knobs, p.tuned = _choices(r, src, m, dp, pp)
     jobs = [j for j in (base.with_(**k) for k in knobs) if j.microbatches * j.spec.micro_batch * dp == j.spec.global_batch]
     # A published layout ran, whatever the memory model says; unpublished knobs take values that fit,
@@ -284,6 +305,22 @@ def published(r: dict) -> Published:
     if not p.candidates:
         p.skip = "global batch does not split into micro-batches"
     return p
+
+
+def fp8_of(r: dict, zero: int) -> tuple:
+    """(torchao recipe, float8 all-gather) of an FP8 row, () for a 16-bit one. Rowwise where the row says
+    so, else tensorwise (torchtitan's and Transformer Engine's per-tensor current/delayed scaling alike);
+    the float8 all-gather where the row says so, and for torchtitan's tensorwise FSDP rows (its float8
+    guide's command line turns it on with precomputed scales), never for other engines (Megatron's own
+    --fp8-param-gather is not FSDP2's)."""
+    if r["precision"] != "fp8":
+        return ()
+    notes = r["notes"]
+    recipe = "rowwise" if "rowwise" in notes else "tensorwise"
+    torch_native = r["source"].startswith(("torchtitan", "torchao"))
+    gather = (recipe == "tensorwise" and zero >= 3 and torch_native
+              and "bfloat16 all-gather" not in notes and "no float8 all-gather" not in notes)
+    return recipe, gather
 
 
 def fits(job: Job, src: Source) -> bool:

@@ -76,7 +76,8 @@ def unusable(r: dict) -> str:
         return "a source the planner does not price (GPT-OSS's sliding-window attention and biased experts, " \
                "or no TFLOP/s convention checked)"
     if r["precision"] != "bf16":
-        return f"{r['precision']} (the planner prices 16-bit runs)"
+        return (f"{r['precision']} (FP8 experts: Transformer Engine's grouped GEMMs; the planner keeps experts "
+                "in bf16, as torchao's float8 linears do)")
     if r["gpu"] not in GPUS:
         return f"no cluster preset for {r['gpu']}"
     if _int(r["cp"], 1) > 1:
@@ -101,12 +102,26 @@ def model_of(r: dict) -> ModelConfig:
                                      first_dense=_int(r["first_dense"])))
 
 
+# Megatron's --recompute-modules by parallel.ac_modules's names (hpctrain.parallel.activation)
+MEGATRON_MODULES = {"layernorm": "norm", "norm": "norm", "act": "moe_act", "moe_act": "moe_act", "moe": "moe",
+                    "mlp": "mlp", "core_attn": "attention"}
+
+
 def _recompute(r: dict) -> str:
-    """Megatron's recompute as the planner's: full is full; its selective recompute of norms and
-    activations reruns a small fraction of a block, priced as none. The 16K rows' `layernorm, moe`
-    reruns each MoE layer's forward, which the planner (whole blocks or nothing) cannot express: also
-    priced as none (docs/moe.md gives what pricing it would change)."""
+    """Megatron's recompute as the planner's parallel.ac: full is full; selective recompute of modules is
+    ac=none with those modules (_modules)."""
     return "full" if r["recompute"].strip() == "full" else "none"
+
+
+def _modules(r: dict) -> list:
+    """The row's `selective: <modules>` as parallel.ac_modules: `norm, act` (the norms and the experts'
+    activation), `layernorm, moe` (the 16K rows: the norms and each MoE layer's whole forward, its dispatch
+    and combine again; Megatron-Core's recompute_modules in transformer_config.py)."""
+    text = r["recompute"].strip()
+    if not text.startswith("selective:"):
+        return []
+    names = [MEGATRON_MODULES[m.strip()] for m in text.split(":", 1)[1].split(",") if m.strip()]
+    return sorted(set(names), key=names.index)
 
 
 def load(path: Path = CSV) -> list[Row]:
@@ -124,8 +139,8 @@ def priced(r: dict) -> Row:
     dp = gpus // (tp * pp)
     vp = _int(r["vp"], 1)
     knobs = dict(layout=Layout(pp=pp, dp_replicate=1, dp_shard=dp, tp=tp, ep=ep), global_batch=_int(r["global_batch"]),
-                  seq_len=s, micro_batch=_int(r["micro_batch"], 1), precision="bf16", zero=_int(r["zero"], 1),
-                  ac=_recompute(r), schedule="interleaved_1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
+                  seq_len=s, micro_batch=_int(r["micro_batch"], 1), precision="bf16", zero=_int(r["zero"], 1), loss="full",
+                  ac=_recompute(r), ac_modules=_modules(r), schedule="interleaved_1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                   sp_regather=True)
     out.model = m
     out.software = MEGATRON_A2A_OVERLAP if "A2A overlap" in r["notes"] else MEGATRON

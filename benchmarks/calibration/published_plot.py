@@ -13,11 +13,12 @@ def points(dense: list, moe: list) -> dict:
     """{series: [(published, predicted), ...]} in tokens/s per GPU. `dense`: fit.evaluate's Predictions;
     `moe`: published_moe.load's rows (the unpriced ones left out). Rows of engines the dense planner does
     not model are a series of their own, outside the judged ones."""
-    out: dict = {"dense fit": [], "dense held-out": [], "dense, engine not modelled": [], "MoE fit": [],
-                 "MoE held-out": []}
+    out: dict = {"dense fit": [], "dense held-out": [], "dense, engine not modelled": [], "FP8 fit": [],
+                 "FP8 held-out": [], "MoE fit": [], "MoE held-out": []}
     for x in dense:
+        kind = "FP8" if getattr(x.row, "fp8", False) else "dense"
         key = "dense, engine not modelled" if x.row.source.unmodelled else \
-            "dense fit" if x.row.fit else "dense held-out"
+            f"{kind} fit" if x.row.fit else f"{kind} held-out"
         out[key].append((x.row.tokens, x.tokens))
     for r in moe:
         if not r.skip:
@@ -27,6 +28,7 @@ def points(dense: list, moe: list) -> dict:
 
 STYLE = {"dense fit": dict(marker="o", color="0.65", s=14), "dense held-out": dict(marker="o", color="C0", s=16),
          "dense, engine not modelled": dict(marker="x", color="0.5", s=16),
+         "FP8 fit": dict(marker="s", color="C8", s=20), "FP8 held-out": dict(marker="s", color="C2", s=22),
          "MoE fit": dict(marker="^", color="C1", s=30), "MoE held-out": dict(marker="^", color="C3", s=36)}
 
 
@@ -53,7 +55,7 @@ def save_published_png(dense: list, moe: list, path: str) -> str:
         outside = sum(abs(e) > BOUND for e in errs)
         scatter.scatter([q for q, _ in series], [p for _, p in series], label=f"{name} ({len(series)}, {outside} outside)",
                         **STYLE[name])
-        if name in ("dense held-out", "MoE held-out"):
+        if name in ("dense held-out", "FP8 held-out", "MoE held-out"):
             titles.append(f"{name}: {len(series) - outside} of {len(series)} within {BOUND:.0%}")
             # shares, not counts: 7 MoE rows stay visible beside 120 dense ones
             hist.hist([min(max(100 * e, -49.99), 49.99) for e in errs], bins=[5 * i for i in range(-10, 11)],

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 
 from hpctrain.core.flops import lora_params, param_counts
-from hpctrain.core.shape import head_dim
+from hpctrain.core.shape import head_dim, loss_chunk_tokens
 from hpctrain.core.schema import ClusterConfig, Config, LauncherConfig, LauncherName, ModelConfig
 from hpctrain.core.spec import KNOBS, EngineSpec, engine_spec, knob_changes, ranks_per_node, updated
 from hpctrain.plan.context import gathered_kv_bytes
@@ -275,7 +275,7 @@ def model_state(params: float, precision: str, zero: int, shard: int, offload: s
 
 
 def layer_activation_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, regather: bool = False,
-                           sp: bool = True, stream: int = 0) -> float:
+                           sp: bool = True, stream: int = 0, modules: tuple = ()) -> float:
     """What autograd saves for one Llama block's backward, one micro-batch of `tokens`, no checkpointing.
 
     Per token, in elements: the two RMSNorm inputs (h each, sequence-parallel so / tp; the norm keeps
@@ -291,12 +291,19 @@ def layer_activation_bytes(m: ModelConfig, tokens: int, tp: int, precision: str,
     norms keep, where it differs from the compute precision (fp32 under autocast: the embedding and
     the residual adds stay fp32, only the matmuls' outputs are bf16; the norms cast their outputs to
     bf16 once, hpctrain.models.llama.RMSNorm, so the linears reading one share it).
+
+    `modules` (parallel.ac_modules, hpctrain.parallel.activation) drop, per token: attention the
+    attention output (h / tp; its log-sum-exp, heads x 4 bytes, was never counted), mlp the SwiGLU
+    product (ffn / tp), norm the two norm outputs the linears read (the gathered term). (moe_act and moe
+    act on an MoE layer's experts: plan.moe.expert_activation_bytes.)
     """
     kv = m.n_kv_heads * head_dim(m)
     pb = BYTES[precision]  # (an MoE layer's feed-forward: plan.moe.expert_activation_bytes)
-    gathered = 2 * m.dim / (tp if (regather and sp) else 1)
+    gathered = 0.0 if "norm" in modules else 2 * m.dim / (tp if (regather and sp) else 1)
     norm_inputs = 2 * m.dim / (tp if sp else 1)
-    per_token = (gathered + ((m.dim + 2 * kv) + m.dim + 3 * m.ffn_dim) / tp) * pb + norm_inputs * (stream or pb)
+    attention_out = 0.0 if "attention" in modules else m.dim
+    ffn = (2 if "mlp" in modules else 3) * m.ffn_dim
+    per_token = (gathered + ((m.dim + 2 * kv) + attention_out + ffn) / tp) * pb + norm_inputs * (stream or pb)
     return tokens * per_token
 
 
@@ -377,21 +384,30 @@ def activations(job: Job, stage: int) -> dict:
     tokens = job.tokens
     layers = job.stage_layers(stage)
     regather, sp, stream = job.spec.sp_regather, job.sequence_parallel, stream_bytes(job)
+    mods = job.spec.ac_modules  # (in the blocks not checkpointed whole)
     full = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream)
+    dense = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream, mods)
     ckpt = checkpointed_layers(job.spec.ac, layers, job.spec.ac_every)
     n_moe = stage_moe_layers(job, stage)
+    rerun = 0.0  # what a recomputed module holds again while its backward runs (output-discarding: a tensor)
     if n_moe:  # MoE blocks save their experts' rows instead of a SwiGLU's (mean over the stage's blocks)
-        moe_full = full - tokens * dense_ffn_activation(job, BYTES[pr]) + expert_activation_bytes(job, tokens, BYTES[pr])
-        layer = ((layers - n_moe) * full + n_moe * moe_full) / layers
+        swap = expert_activation_bytes(job, tokens, BYTES[pr]) - tokens * dense_ffn_activation(job, BYTES[pr])
+        moe_full = full + swap
+        attention_half = layer_activation_bytes(m, tokens, lay.tp, pr, regather, sp, stream,
+                                                tuple(x for x in mods if x != "mlp")) - tokens * dense_ffn_activation(job, BYTES[pr])
+        moe_kept = attention_half + expert_activation_bytes(job, tokens, BYTES[pr], mods)
+        layer = ((layers - n_moe) * dense + n_moe * moe_kept) / layers
+        if "moe" in mods:  # the layer's experts' activations again, while its backward runs
+            rerun = expert_activation_bytes(job, tokens, BYTES[pr])
         full = max(full, moe_full) if n_moe < layers else moe_full
     else:
-        layer = full
+        layer = dense
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * layer
     if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
         per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
                                     + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
     held = in_flight(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
-    return {"activations": held * per_mb, "recompute": full if ckpt else 0.0}
+    return {"activations": held * per_mb, "recompute": max(full if ckpt else 0.0, rerun)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,12 +488,41 @@ def transients(job: Job, sp: StageParams) -> dict:
             linear += m.vocab_size * m.dim / lay.tp
         out["weight_casts"] = pb * linear
     if job.last(sp.stage):
-        # Logits of one micro-batch: the bf16 matmul output, its fp32 copy for the loss and the fp32
-        # gradient (vocab-parallel with TP). At 128k vocab this rivals a block's weights.
-        out["logits"] = job.tokens * m.vocab_size / lay.tp * (pb + 4 + 4)
+        out.update(loss_buffers(job))
     if lay.cp > 1:  # K/V of the other cp ranks while a layer attends (hpctrain.plan.context)
         out["cp_kv"] = gathered_kv_bytes(job, pb)
     return out
+
+
+def loss_chunk(job: Job) -> int:
+    """Tokens the output layer and the loss take at a time on the last stage: train.loss=chunked's chunk
+    (hpctrain.core.shape.loss_chunk_tokens over the rank's tokens, which under TP the head all-gathers
+    whole, and its 1/tp of the vocabulary), or the whole micro-batch under train.loss=full."""
+    tokens = int(job.tokens)
+    if job.spec.loss != "chunked":
+        return tokens
+    return loss_chunk_tokens(tokens, -(-job.model.vocab_size // job.spec.layout.tp), job.model.dim,
+                             job.spec.loss_chunk)
+
+
+def loss_buffers(job: Job) -> dict:
+    """The output layer's and the loss's buffers on the last stage, from the head's forward to its
+    backward. Logits: the matmul's output in the compute dtype, its fp32 copy for the loss and the fp32
+    softmax gradient (vocab-parallel with TP), for the whole micro-batch under train.loss=full (at 128k
+    vocabulary this rivals a block's weights) or one chunk at a time under train.loss=chunked
+    (hpctrain.models.loss: each chunk's gradient is made in the forward, Liger's algorithm, and its logits
+    dropped). The chunked loss then holds, until the head's backward, the gradient of the head's input
+    (tokens x dim, compute dtype) and the fp32 accumulator of the output weight's gradient (V/tp x dim)."""
+    m, tp = job.model, job.spec.layout.tp
+    pb = BYTES[job.spec.precision]
+    if job.spec.loss != "chunked":
+        return {"logits": job.tokens * m.vocab_size / tp * (pb + 4 + 4)}
+    # A chunk's logits are one fp32 buffer, turned into its softmax and its gradient in place; in 16 bits
+    # also the matmul's output and the gradient cast back (2 pb), and the weight gradient's 16-bit GEMM with
+    # its fp32 copy made a slice of the vocabulary at a time within half a chunk ((pb + 4) / 2).
+    per = 4 if pb == 4 else 4 + 2 * pb + (pb + 4) / 2
+    weight = 0.0 if job.spec.lora else m.vocab_size / tp * m.dim * GRAD_BYTES  # LoRA: the output is frozen
+    return {"logits": loss_chunk(job) * m.vocab_size / tp * per, "loss_grads": job.tokens * m.dim * pb + weight}
 
 
 def pipeline_buffers(job: Job, stage: int) -> float:
@@ -622,7 +667,9 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     # (the gradients with the micro-batches still or again in flight, logits if a forward runs then).
     held = in_flight(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
     held_g = in_flight_with_grads(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
-    logits = extra.pop("logits", 0.0)
+    # the head's buffers (loss_buffers) live in one window: from its forward to its backward
+    head = {k: extra.pop(k) for k in ("logits", "loss_grads") if k in extra}
+    logits = sum(head.values())
     accum = accumulated_grads(job, sp)
     if accum and job.spec.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed
         dev["grads"] = 0.0
@@ -650,8 +697,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         held_ar, cast_grads = 0.0, 0.0
     dev = {k: v for k, v in dev.items() if v}
     dev.update({k: v for k, v in acts.items() if v})
-    if logits:
-        dev["logits"] = logits
+    if logits:  # as loss_buffers named them
+        dev.update({k: v for k, v in head.items() if v})
     if accum:
         dev["unsharded_grads"] = accum
     if second:
@@ -740,8 +787,10 @@ def _memory_fix(job: Job, big: str) -> str:
         return "Fix: " + ", ".join(fixes + ["more parallel.tp"])
     if big in ("weight_casts", "cast_grads"):  # autocast's bf16 copies of fp32 weights; FSDP2 gathers bf16 unit by unit
         return "Fix: parallel.zero=3 (FSDP2 keeps no bf16 copy of the whole stage) or more parallel.tp/pp"
-    if big in ("activations", "recompute", "logits"):
+    if big in ("activations", "recompute", "logits", "loss_grads"):
         fixes = []
+        if big == "logits" and job.spec.loss != "chunked":
+            fixes.append("train.loss=chunked")
         if job.spec.ac != "full":
             fixes.append("parallel.ac=full")
         if job.spec.micro_batch > 1:

@@ -57,17 +57,21 @@ def expert_params(job, stage: int) -> float:
     return layers * job.model.moe.experts * c["expert"] / max(1, job.spec.layout.ep) / job.expert_tp
 
 
-def expert_activation_bytes(job, tokens: int, elem: int) -> float:
+def expert_activation_bytes(job, tokens: int, elem: int, modules: tuple = ()) -> float:
     """What one MoE layer saves for backward beyond a dense block's attention half, per micro-batch of
     `tokens` on its busiest rank: the permuted rows each expert reads (dispatched and, received, k
     per token), w1 and w3's outputs (the SwiGLU keeps both) and their product w2 reads (3 x expert
     width per routed row), the experts' output before the weighted sum, the shared experts' SwiGLU,
-    and the router's fp32 logits and probabilities."""
+    and the router's fp32 logits and probabilities. parallel.ac_modules (hpctrain.parallel.activation):
+    moe keeps nothing of it (only the layer's input, the norm's output the dense half counts), moe_act
+    drops the routed experts' product (f per routed row)."""
+    if "moe" in modules:
+        return 0.0
     m = job.model
     e, f = m.moe, expert_ffn(m) / job.expert_tp
     rows = routed_rows(job, tokens)
     shared = 3 * e.shared_experts * expert_ffn(m) / job.spec.layout.tp
-    per_row = 3 * m.dim + 3 * f
+    per_row = 3 * m.dim + (2 if "moe_act" in modules else 3) * f
     return (rows * per_row + tokens * (shared + m.dim)) * elem + tokens * e.experts * 4 * 2
 
 

@@ -34,6 +34,17 @@ class Space:
     seq_len: int = 0
     cp_from: int = 16384
     cp_max: int = 32
+    # Tried on each layout that fits (refinements: they change the time, and the memory only downwards):
+    # precisions beside the requested one (None: fp8 where the request is bf16 and the cluster's GPUs have
+    # FP8, cluster.fp8_tflops > 0; never a change of fp32 or fp16, whose users chose their numerics) and
+    # the other train.loss (chunked needs less memory; full runs the output layer as one GEMM).
+    precisions: Optional[tuple] = None
+    losses: tuple = ("chunked", "full")
+    # parallel.ac_modules sets tried where a layout without checkpointing (ac=none) runs out of device
+    # memory only, cheapest recompute first: Megatron's --recompute-modules, by hpctrain.parallel.activation's
+    # names. Dense models take the first three, MoE models all.
+    ac_module_sets: tuple = (("norm",), ("norm", "mlp"), ("attention", "norm", "mlp"),
+                             ("norm", "moe_act"), ("attention", "norm", "moe_act"), ("norm", "moe"))
 
 
 @dataclass
@@ -66,7 +77,7 @@ def knobs(job: Job) -> dict:
             "cp": lay.cp, "zero": sp.zero, "offload": sp.offload, "ac": sp.ac, "micro_batch": sp.micro_batch,
             "schedule": sp.schedule if lay.pp > 1 else "-",
             "virtual_stages": sp.virtual_stages if sp.schedule == "interleaved_1f1b" and lay.pp > 1 else 1,
-            "grad_sync": sp.grad_sync,
+            "grad_sync": sp.grad_sync, "precision": sp.precision, "loss": sp.loss, "ac_modules": list(sp.ac_modules),
             # Blocks per stage, automatic or parallel.pp_layers: equal splits compare equal either way.
             "pp_layers": list(sp.pipeline.layers) if sp.pipeline else []}
 
@@ -75,7 +86,8 @@ def choice(job: Job) -> dict:
     """{config key: value} that selects this layout on top of the config it was searched from: the
     knobs the search varies (hpctrain.core.spec.updated applies it; overrides_of writes it out)."""
     sp, lay = job.spec, job.spec.layout
-    chosen = dict(layout=lay, zero=sp.zero, offload=sp.offload, ac=sp.ac, micro_batch=sp.micro_batch)
+    chosen = dict(layout=lay, zero=sp.zero, offload=sp.offload, ac=sp.ac, micro_batch=sp.micro_batch,
+                  precision=sp.precision, loss=sp.loss, ac_modules=list(sp.ac_modules))
     if sp.ac == "selective":
         chosen["ac_every"] = sp.ac_every
     if lay.cp > 1:
@@ -168,15 +180,51 @@ def jobs(base: Job, space: Space = Space(), world: Optional[int] = None) -> Iter
                                              pp_layers=())
 
 
+def precisions(base: Job, space: Space) -> tuple:
+    """The precisions the search tries: Space.precisions, or the request's and, for a bf16 request on
+    GPUs with FP8 (cluster.fp8_tflops > 0), fp8 (the rule book refuses it where the GPU cannot)."""
+    if space.precisions is not None:
+        return space.precisions
+    pr = base.spec.precision
+    return (pr, "fp8") if pr == "bf16" and base.cluster.fp8_tflops > 0 else (pr,)
+
+
+def refinements(job: Job, base: Job, space: Space) -> Iterator[Job]:
+    """The same layout in the other precisions and losses the search tries (the layout's own first)."""
+    for pr in precisions(base, space):
+        for loss in space.losses:
+            if (pr, loss) != (job.spec.precision, job.spec.loss):
+                yield job.with_(precision=pr, loss=loss)
+
+
+def module_sets(job: Job, space: Space) -> Iterator[Job]:
+    """ac=none layouts with parallel.ac_modules: the sets that name modules this model has."""
+    moe = bool(job.model.moe.experts)
+    for mods in space.ac_module_sets:
+        if moe or not any(m.startswith("moe") for m in mods):
+            yield job.with_(ac_modules=list(mods))
+
+
 def search(base: Job, space: Space = Space(), sw: Software = HPCTRAIN, world: Optional[int] = None) -> SearchResult:
     """Every layout of `base`'s model, batch and cluster over `world` ranks (default: base's);
-    `base`'s own layout does not matter."""
+    `base`'s own layout does not matter. Each layout that fits is also priced in the other precisions
+    and losses (refinements); each layout without checkpointing that runs out of device memory only is
+    priced with parallel.ac_modules (module_sets), the first set that fits kept."""
     ranked, failures, examples, misses, n = [], Counter(), {}, [], 0
+    base = base.with_(ac_modules=[]) if base.spec.ac_modules else base
     for job in jobs(base, space, world):
         n += 1
         cand = evaluate(job, sw)
+        if not cand.fits and cand.reasons == ["device memory"] and job.spec.ac == "none":
+            # the layout, refused without checkpointing, counts once: as the first module set that fits
+            cand = next((alt for alt in map(lambda j: evaluate(j, sw), module_sets(job, space)) if alt.fits), cand)
         if cand.fits:
             ranked.append(cand)
+            for variant in refinements(cand.job, base, space):
+                alt = evaluate(variant, sw)
+                if alt.fits:  # (a refinement that does not fit is not another layout refused)
+                    n += 1
+                    ranked.append(alt)
             continue
         for r in cand.reasons:
             failures[r] += 1

@@ -15,13 +15,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from hpctrain.core.flops import lora_linears, recompute_flops_per_token, train_flops_per_token
+from hpctrain.core.flops import (attention_flops_per_token, lora_linears, param_counts, recompute_flops_per_token,
+                                 train_flops_per_token)
 from hpctrain.core.shape import expert_ffn, head_dim, moe_layer_count
 from hpctrain.core.spec import ranks_per_node
 from hpctrain.plan.context import attention_kept, cp_collectives
-from hpctrain.plan.moe import dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, stage_moe_layers
-from hpctrain.plan.memory import (BYTES, GRAD_BYTES, Job, checkpointed_layers, pipeline_ranks, reduce_bytes,
-                                  stage_params, stream_bytes)
+from hpctrain.plan.moe import (dispatch_bytes, ep_link, expert_time, expert_zero_group, folded, routed_rows,
+                               stage_moe_layers)
+from hpctrain.plan.memory import (BYTES, GRAD_BYTES, Job, checkpointed_layers, loss_chunk, pipeline_ranks,
+                                  reduce_bytes, stage_params, stream_bytes)
 from hpctrain.core.schema import ClusterConfig
 
 # Flash attention's backward does 2.5x the matmul work of its forward (it recomputes the scores).
@@ -57,6 +59,24 @@ ADAM_BYTES = {"bf16": 30, "fp32": 28, "fp16": 30, "fp8": 30}
 # divides by the stages each rank runs (Narayanan et al. 2021), for zero_bubble too (torch's
 # ScheduleInterleavedZeroBubble interleaves its stages).
 BUBBLE_DIVISOR = {"gpipe": 1.0, "1f1b": 1.0, "zero_bubble": 3.0, "zbv": 6.0, "dualpipev": 6.0}
+# FP8 (train.precision=fp8, torchao's Float8Linear on the blocks' linears wq wk wv wo w1 w2 w3; the output
+# layer, routers, experts and attention stay bf16). Its GEMMs run at cluster.fp8_tflops x FP8_EFFICIENCY
+# (the share of the FP8 peak a large FP8 GEMM sustains; cluster.fp8_efficiency where the cluster names
+# one), fitted with ROWWISE_RATE on torchao's Llama 3 8B table (benchmarks/calibration, docs/
+# published_runs.md). ROWWISE_RATE: a rowwise-scaled GEMM's speed relative to a tensorwise one (CUTLASS
+# kernels with a scale per row and column against cuBLAS's per-tensor scale).
+FP8_EFFICIENCY = 0.364
+ROWWISE_RATE = 0.81
+# Bytes per element of one dynamic cast to float8 (memory-bound): the amax pass reads the 16-bit tensor
+# (2), the cast reads it again and writes one byte (3); under torch.compile or Transformer Engine the amax
+# is fused into the kernel that produced the tensor, leaving the cast's 3. A float8 tensor's transposed
+# copy for the weight-gradient GEMM (tensorwise: _scaled_mm wants it column-major) reads and writes one
+# byte each (2).
+FP8_CAST_BYTES = {"eager": 5, "fused": 3}
+FP8_TRANSPOSE_BYTES = 2
+# train.precision=fp16's GradScaler, once per step: unscale reads and writes each fp32 gradient of the
+# rank (8) and the inf check reads it (4); then one all-reduce of the found-inf flag over every rank.
+SCALER_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -139,15 +159,22 @@ class Hardware:
     attn_flops: float  # flash attention FLOP/s on the FLOPs it performs, large heads
     hbm: float  # bytes/s
     elem: int  # bytes per activation element
+    fp8_flops: float = 0.0  # sustained FP8 FLOP/s of a large GEMM (train.precision=fp8 on a GPU with FP8)
 
     @classmethod
     def of(cls, job: Job) -> "Hardware":
         c = job.cluster
-        # peak_tflops is the bf16 tensor-core peak; fp32 matmuls on GPUs run as TF32 at half of it.
+        # peak_tflops is the bf16 tensor-core peak (fp16's too: the same tensor cores, or on V100 and T4,
+        # whose presets give the fp16 peak, the only one); fp32 matmuls on GPUs run as TF32 at half of it.
         scale = 0.5 if (job.spec.precision == "fp32" and c.device == "cuda") else 1.0
         peak = c.peak_tflops * 1e12 * scale
+        fp8 = 0.0
+        if job.spec.precision == "fp8":
+            # without FP8 tensor cores (a CPU's emulation, or rules refusing the GPU) the float8 linears
+            # are priced as the bf16 GEMMs they emulate
+            fp8 = c.fp8_tflops * 1e12 * fp8_efficiency(c) or peak * c.matmul_efficiency
         return cls(flops=peak * c.matmul_efficiency, attn_flops=peak * c.attention_efficiency,
-                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.spec.precision])
+                   hbm=c.hbm_gbps * 1e9, elem=BYTES[job.spec.precision], fp8_flops=fp8)
 
     def gemm(self, m: float, k: float, n: float) -> float:
         """An (m x k) @ (k x n) GEMM as a smooth roofline: its FLOPs at the sustained rate plus the
@@ -155,6 +182,48 @@ class Hardware:
         a GEMM thinner than ~rate x elem / (2 hbm) (~160 on H100, ~115 on A100) in any dimension runs
         markedly slower, whether it is thin in tokens (micro-batch x sequence) or in hidden / TP."""
         return 2 * m * k * n / self.flops + self.elem * (m * k + k * n + m * n) / self.hbm
+
+    def gemm8(self, m: float, k: float, n: float, rate: float = 1.0) -> float:
+        """The same GEMM in float8 (torch._scaled_mm): one byte per operand element, the output in bf16,
+        at the FP8 rate (x `rate`: ROWWISE_RATE for rowwise scales)."""
+        return 2 * m * k * n / (self.fp8_flops * rate) + (m * k + k * n + 2 * m * n) / self.hbm
+
+
+def fp8_efficiency(c: ClusterConfig) -> float:
+    """Share of cluster.fp8_tflops a large FP8 GEMM sustains: the cluster's fitted figure where it has
+    one (cluster.fp8_efficiency), else FP8_EFFICIENCY."""
+    return float(getattr(c, "fp8_efficiency", 0.0) or FP8_EFFICIENCY)
+
+
+def fp8_linear(job: Job, hw: Hardware, t: float, k: float, n: float, fused: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one torchao Float8Linear, `t` tokens of `k` in, `n` out, one
+    micro-batch: its three GEMMs and the casts they need. torchao 0.18 saves the bf16 input and weight
+    for backward (float8_linear.matmul_with_hp_or_float8_args) and casts them again there.
+
+    tensorwise: forward casts the input X and the weight W; backward casts the output gradient G, X
+    and W again, and transposes G and X for the weight-gradient GEMM. rowwise (and mxfp8): a scale per
+    row, so each GEMM wants its operands scaled along its own axis: forward X, W; backward G twice, X,
+    W; no transposes. rowwise_with_gw_hp: the weight-gradient GEMM in bf16 (X and G as they are), so
+    backward casts G and W only. With train.fp8.all_gather (tensorwise, ZeRO-3) FSDP2 casts each
+    weight shard before gathering it (1/dp_shard of W) and backward reuses the gathered float8 weight:
+    its transpose only."""
+    recipe = job.spec.fp8_recipe or "tensorwise"
+    cast = FP8_CAST_BYTES["fused" if fused else "eager"]
+    X, W, G = t * k, k * n, t * n
+    rate = 1.0 if recipe == "tensorwise" else ROWWISE_RATE
+    shard = max(1, job.zero_group) if job.spec.fp8_all_gather else 1
+    fwd_bytes = cast * (X + W / shard)
+    if recipe == "tensorwise":
+        w_bwd = FP8_TRANSPOSE_BYTES * W if job.spec.fp8_all_gather else cast * W
+        bwd_bytes = cast * (G + X) + w_bwd + FP8_TRANSPOSE_BYTES * (G + X)
+    elif recipe == "rowwise_with_gw_hp":
+        bwd_bytes = cast * (G + W)
+    else:
+        bwd_bytes = cast * (2 * G + X + W)
+    wgrad = hw.gemm(k, t, n) if recipe == "rowwise_with_gw_hp" else hw.gemm8(k, t, n, rate)
+    fwd = hw.gemm8(t, k, n, rate) + fwd_bytes / hw.hbm
+    bwd = hw.gemm8(t, n, k, rate) + wgrad + bwd_bytes / hw.hbm
+    return fwd, bwd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +332,7 @@ class StageTime:
     cp_exposed: float = 0.0  # context parallel's K/V traffic that attention does not hide
     experts: float = 0.0  # of params, routed experts (sharded by ZeRO over the expert group)
     trained_share: float = 1.0  # of params, those with gradients (LoRA: the adapters)
+    fp8_share: float = 0.0  # of params (outside the experts), those FSDP2 gathers in float8 (train.fp8.all_gather)
 
     @property
     def total(self) -> float:
@@ -279,8 +349,15 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     h, q, kv, f = m.dim, m.n_heads * hd / tp, m.n_kv_heads * hd / tp, m.ffn_dim / tp
     # The four linears each sequence-parallel collective pairs with: wq|wk|wv after an all-gather, wo
     # before a reduce-scatter, w1 and w3 after an all-gather, w2 before a reduce-scatter.
-    linears = (hw.gemm(tokens, h, q + 2 * kv), hw.gemm(tokens, q, h), 2 * hw.gemm(tokens, h, f),
-               hw.gemm(tokens, f, h))
+    shapes = ((h, q + 2 * kv, 1), (q, h, 1), (h, f, 2), (f, h, 1))  # (in, out, how many)
+    if job.spec.precision == "fp8" and hw.fp8_flops:
+        fused = sw.fused or job.spec.compile
+        pairs = [tuple(x * c for x in fp8_linear(job, hw, tokens, i, o, fused)) for i, o, c in shapes]
+        linears = tuple(p[0] for p in pairs)
+        linears_bwd = tuple(p[1] for p in pairs)  # input and weight gradients, with their casts
+    else:
+        linears = tuple(c * hw.gemm(tokens, i, o) for i, o, c in shapes)
+        linears_bwd = tuple(2 * g for g in linears)
     gemm = sum(linears)
     if sw.flash:
         # the fraction of the s x s scores computed: the causal half (whole tiles on the diagonal), of
@@ -300,7 +377,74 @@ def layer_fwd(job: Job, hw: Hardware, tokens: int, sw: Software = None) -> dict:
     stream = h / tp if job.sequence_parallel else h
     per_token = (2 * b["norm"] + 2 * b["add"]) * stream + b["rope"] * (q + kv) + b["swiglu"] * f + b["copy"] * q
     elem = tokens * per_token * hw.elem / 2 / hw.hbm
-    return {"gemm": gemm, "linears": linears, "attn": attn, "attn_bwd": attn_bwd, "elem": elem}
+    return {"gemm": gemm, "linears": linears, "linears_bwd": linears_bwd, "attn": attn, "attn_bwd": attn_bwd,
+            "elem": elem}
+
+
+def loss_chunks(job: Job) -> int:
+    """Chunks the output layer and the loss run in per micro-batch (1 under train.loss=full)."""
+    return -(-int(job.tokens) // loss_chunk(job))
+
+
+def output_layer(job: Job, hw: Hardware, tokens: float, wgrad: float = 1.0) -> dict:
+    """The output projection and the fp32 cross-entropy over its vocab-parallel logits, one micro-batch:
+    {"gemm": the logits' GEMMs, "fwd", "bwd"}. train.loss=full: the whole logits, then their gradient in
+    backward (input and weight gradients). train.loss=chunked (hpctrain.models.loss, Liger's algorithm):
+    each chunk's logits, softmax gradient, input gradient and weight gradient all in the forward, the
+    same FLOPs, as GEMMs of `loss_chunk` tokens that read the whole output weight again per chunk
+    (the roofline's weight term); the backward only scales what the forward kept."""
+    m, tp = job.model, job.spec.layout.tp
+    v = m.vocab_size / tp
+    ce = tokens * v * CE_BYTES / hw.hbm
+    if job.spec.loss != "chunked":
+        out = hw.gemm(tokens, m.dim, v)
+        return {"gemm": out, "fwd": out + ce / 3, "bwd": (1 + wgrad) * out + ce * 2 / 3}
+    n = loss_chunks(job)
+    out = n * hw.gemm(loss_chunk(job), m.dim, v)
+    scale = 2 * (tokens * m.dim * hw.elem + wgrad * v * m.dim * 4) / hw.hbm  # grads x the loss's gradient
+    return {"gemm": out, "fwd": (2 + wgrad) * out + ce, "bwd": scale}
+
+
+def module_recompute(job: Job, hw: "Hardware", sw: Software, tokens: float, lf: dict, moe_share: float) -> float:
+    """Seconds one block not checkpointed whole spends rerunning its parallel.ac_modules in backward
+    (hpctrain.parallel.activation), one micro-batch; `moe_share`: the fraction of blocks that route.
+    attention: the kernel's forward; mlp: the SwiGLU (elementwise); norm: the two RMSNorms (elementwise,
+    the residual stream); moe_act: the experts' SwiGLU; moe: the MoE layer's forward (router, experts,
+    shared experts, permutation; its all-to-alls are counted with expert parallel's, stage_time)."""
+    mods = job.spec.ac_modules
+    if not mods:
+        return 0.0
+    m, lay = job.model, job.spec.layout
+    sw_bytes = FUSED_BYTES if (sw.fused or job.spec.compile) else EAGER_BYTES
+    per_byte = tokens * hw.elem / 2 / hw.hbm  # seconds per 16-bit element-byte per token
+    t = lf["attn"] if "attention" in mods else 0.0
+    if "norm" in mods:
+        t += 2 * sw_bytes["norm"] * (m.dim / lay.tp if job.sequence_parallel else m.dim) * per_byte
+    if "mlp" in mods:
+        t += (1 - moe_share) * sw_bytes["swiglu"] * m.ffn_dim / lay.tp * per_byte
+    if moe_share and "moe" in mods:
+        moe = expert_time(job, hw, tokens, sw_bytes["swiglu"])
+        t += moe_share * (moe["gemm"] + moe["elem"])
+    elif moe_share and "moe_act" in mods:
+        rows = routed_rows(job, tokens)
+        t += moe_share * sw_bytes["swiglu"] * rows * expert_ffn(m) / job.expert_tp * hw.elem / 2 / hw.hbm
+    return t
+
+
+def module_recompute_flops(job: Job, blocks: int, kept: float) -> float:
+    """FLOPs per token the GEMMs and attention of parallel.ac_modules rerun in `blocks` blocks (the
+    elementwise reruns add none): the attention's forward (attention), the MoE layers' routed and shared
+    experts and router (moe)."""
+    m, mods = job.model, job.spec.ac_modules
+    if not blocks or not mods:
+        return 0.0
+    c = param_counts(m)
+    out = attention_flops_per_token(m, job.spec.seq_len, kept) / m.n_layers / 3 if "attention" in mods else 0.0
+    if "moe" in mods and c["moe_layers"]:
+        e = m.moe
+        active = e.top_k * c["expert"] + 3 * m.dim * e.shared_experts * expert_ffn(m) + m.dim * e.experts
+        out += 2 * active * c["moe_layers"] / m.n_layers
+    return blocks * out
 
 
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
@@ -312,8 +456,9 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     # Backward computes input and weight gradients: 2 GEMMs per forward one; LoRA's frozen weights need
     # only the input's (torch skips a weight gradient no parameter wants), its adapters both.
     wgrad = 0.0 if job.spec.lora else 1.0
+    gemm_bwd = sum(lf["linears_bwd"]) if wgrad else lf["gemm"]  # (LoRA: the input gradient's GEMM only)
     fwd = layers * (lf["gemm"] + lf["attn"] + lf["elem"])
-    bwd = layers * ((1 + wgrad) * lf["gemm"] + lf["attn_bwd"] + 2 * lf["elem"])
+    bwd = layers * (gemm_bwd + lf["attn_bwd"] + 2 * lf["elem"])
     if job.spec.lora:
         r = job.spec.lora.rank
         adapter = sum(n * (hw.gemm(tokens, i, r) + hw.gemm(tokens, r, o)) for i, o, n in lora_linears(m, lay.tp))
@@ -322,26 +467,33 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     if first:  # embedding lookup and its scatter-add gradient
         fwd += tokens * m.dim / lay.tp * hw.elem / hw.hbm
         bwd += 2 * tokens * m.dim / lay.tp * hw.elem / hw.hbm
-    if last:  # output projection and the fp32 loss over vocab-parallel logits
-        out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp)
-        fwd += out + tokens * m.vocab_size / lay.tp * CE_BYTES / 3 / hw.hbm
-        bwd += (1 + wgrad) * out + tokens * m.vocab_size / lay.tp * CE_BYTES * 2 / 3 / hw.hbm
+    if last:  # output projection and the fp32 loss over vocab-parallel logits (bf16 under fp8 too)
+        head = output_layer(job, hw, tokens, wgrad)
+        out = head["gemm"]
+        fwd += head["fwd"]
+        bwd += head["bwd"]
     recomputed = checkpointed_layers(job.spec.ac, layers, job.spec.ac_every)
     w2 = 0.0 if sw.recompute_last_linear else lf["linears"][3]
     recompute = recomputed * (lf["gemm"] - w2 + lf["attn"] + lf["elem"])
     n_moe = stage_moe_layers(job, stage)
+    mods = job.spec.ac_modules
+    rest = layers - recomputed  # the blocks parallel.ac_modules recomputes modules of
+    recompute += rest * module_recompute(job, hw, sw, tokens, lf, n_moe / layers if layers else 0.0)
     ep_exposed, ep_colls = 0.0, []
     if n_moe:
         # An MoE block's feed-forward in place of the SwiGLU (the two last linears and its elementwise)
         b = FUSED_BYTES if (sw.fused or job.spec.compile) else EAGER_BYTES
         moe = expert_time(job, hw, tokens, b["swiglu"])
         swiglu = tokens * b["swiglu"] * m.ffn_dim / lay.tp * hw.elem / 2 / hw.hbm
+        # (the experts stay bf16 under fp8: the dense FFN's float8 linears leave with their own backward)
         delta = moe["gemm"] + moe["elem"] - (lf["linears"][2] + lf["linears"][3] + swiglu)
+        delta_bwd = 2 * (moe["gemm"] + moe["elem"]) - (lf["linears_bwd"][2] + lf["linears_bwd"][3] + 2 * swiglu)
         fwd += n_moe * delta
-        bwd += 2 * n_moe * delta
+        bwd += n_moe * delta_bwd
         recompute += recomputed * n_moe / layers * delta
+        rerun_moe = recomputed * n_moe / layers + (rest * n_moe / layers if "moe" in mods else 0.0)
         if lay.ep > 1:  # dispatch + combine, forward and backward, and the recomputed forward's
-            count = (4 * n_moe + 2 * recomputed * n_moe / layers) * job.microbatches
+            count = (4 * n_moe + 2 * rerun_moe) * job.microbatches
             a2a = _coll(job, "ep", "all_to_all", dispatch_bytes(job, tokens, hw.elem), count)
             # what overlaps hides behind the other micro-batch's compute, never more than that compute
             a2a.exposed = a2a.total - sw.ep_overlap * min(a2a.total, job.microbatches * (fwd + bwd))
@@ -367,8 +519,14 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         # What one linear's collective costs: an all-gather or a reduce-scatter of one activation (the
         # same), half an all-reduce.
         c = colls[0].seconds / (1 if job.sequence_parallel else 2)
-        ce = _coll(job, "tp", "all_reduce", tokens * 4, 3 * mb) if last else None
-        if ce:  # vocab-parallel cross-entropy: max, sum-exp, target logit
+        # vocab-parallel cross-entropy: torch's loss_parallel all-reduces the max, the sum-exp and the target
+        # logit (3 x tokens x 4 bytes); the chunked loss, per chunk, the max, then the sum-exp with the target
+        # logit in one (2 all-reduces, 3 x chunk x 4 bytes)
+        if job.spec.loss == "chunked":
+            ce = _coll(job, "tp", "all_reduce", loss_chunk(job) * 6, 2 * mb * loss_chunks(job)) if last else None
+        else:
+            ce = _coll(job, "tp", "all_reduce", loss_chunk(job) * 4, 3 * mb) if last else None
+        if ce:
             colls.append(ce)
         out = hw.gemm(tokens, m.dim, m.vocab_size / lay.tp) if last else 0.0
         fwd_blocks = layers + recomputed
@@ -387,13 +545,26 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         for x in colls:
             x.exposed = x.total * share
 
-    cp_colls, cp_exposed = cp_collectives(job, _coll, hw.elem, lf["attn"], lf["attn_bwd"], layers, recomputed,
-                                          sw.cp_overlap)
+    # (parallel.ac_modules=[attention] reruns the kernel, its exchanges of K and V with it)
+    cp_colls, cp_exposed = cp_collectives(job, _coll, hw.elem, lf["attn"], lf["attn_bwd"], layers,
+                                          recomputed + (rest if "attention" in mods else 0), sw.cp_overlap)
     sp = stage_params(job, stage)
     units = layers + first + last
+    if job.spec.precision == "fp8" and lay.tp > 1 and (job.spec.fp8_recipe or "tensorwise") == "tensorwise":
+        # tensorwise scales of weights sharded by TP: each cast of a weight (forward and backward) needs the
+        # global amax, one scalar all-reduce over the TP group per linear (7 per block)
+        amax = _coll(job, "tp", "all_reduce", 4, 2 * 7 * (layers + recomputed / 2) * mb)
+        amax.exposed = amax.total
+        colls.append(amax)
+        tp_exposed += amax.total / mb
     st = StageTime(stage, fwd, bwd, recompute, tp_exposed, 0.0, 0.0, sp.total, units, colls + ep_colls + cp_colls,
                    ep_exposed=ep_exposed, experts=sp.experts, cp_exposed=cp_exposed,
                    trained_share=sp.trained(job) / sp.total if sp.total else 1.0)
+    if job.spec.fp8_all_gather:  # the blocks' linears (not norms, embedding, output layer, experts)
+        dense = param_counts(m)["dense_block"] - 2 * m.dim
+        attention = dense - 3 * m.dim * m.ffn_dim  # an MoE block's float8 linears: its attention's
+        linear = ((layers - n_moe) * dense + n_moe * attention) / lay.tp
+        st.fp8_share = linear / max(1.0, sp.total - sp.experts)
     _zero_traffic(job, st, hw, sw)
     return st
 
@@ -451,6 +622,8 @@ def _zero_part(job: Job, st: StageTime, hw: Hardware, sw: Software, P: float, sh
     # ones after the step, ZeRO-3 every parameter for each forward and backward.
     grad = P * st.trained_share * reduce_bytes(job)
     par = P * hw.elem * (1.0 if job.spec.zero >= 3 else st.trained_share)
+    if job.spec.zero >= 3 and shard_dim != "edp" and st.fp8_share:  # float8 all-gather: 1 byte a weight
+        par = P * (st.fp8_share + (1 - st.fp8_share) * hw.elem)
 
     def hide(t: float, window: float) -> float:
         return _hide(t, window, st.units, sw.dp_overlap)
@@ -540,6 +713,18 @@ def optimizer_time(job: Job, params: float, experts: float = 0.0) -> dict:
     return {"optimizer": cpu, "offload_copies": pcie}
 
 
+def scaler_time(job: Job, params: float, experts: float = 0.0) -> float:
+    """train.precision=fp16's GradScaler, once per step: unscale and inf-check this rank's fp32 gradients
+    (sharded as the optimizer state is: optimizer_time), then agree on the found-inf flag with every
+    rank (one scalar all-reduce: latency)."""
+    shard = ((params - experts) / job.zero_group + experts / expert_zero_group(job)) if job.spec.zero >= 2 else params
+    c = job.cluster
+    flag = Collective("world", "all_reduce", job.world, 4, 1, c.intra_node_gbps * 1e9,
+                      c.inter_node_latency_us * 1e-6, nodes=job.spec.nodes,
+                      intra_latency=c.intra_node_latency_us * 1e-6)
+    return shard * SCALER_BYTES / (c.hbm_gbps * 1e9) + (flag.seconds if job.world > 1 else 0.0)
+
+
 def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     """Step time of the slowest pipeline stage's ranks, and what it means in tokens/s and MFU."""
     hw = Hardware.of(job)
@@ -576,6 +761,13 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     br["dp_exposed"] = worst.dp_exposed
     heaviest = max(times.values(), key=lambda t: t.params)
     br.update(optimizer_time(job, heaviest.params, heaviest.experts))
+    if job.spec.loss_scaling:
+        br["loss_scaling"] = scaler_time(job, heaviest.params * heaviest.trained_share, heaviest.experts)
+    if job.spec.fp8_all_gather:  # precomputed scales: one all-reduce of every float8 weight's amax a step
+        amax = _coll(job, "dp_shard", "all_reduce", 4 * 7 * job.model.n_layers, 1)
+        amax.exposed = amax.total
+        colls.append(amax)
+        br["fp8_amax"] = amax.total
     step = sum(br.values())
 
     tokens = job.spec.global_batch * job.spec.seq_len
@@ -586,6 +778,7 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     recomputed = checkpointed_layers(job.spec.ac, job.model.n_layers, job.spec.ac_every)
     hw_flops = flops + recompute_flops_per_token(job.model, job.spec.seq_len, recomputed,
                                                  last_linear=sw.recompute_last_linear, kept=kept) * tokens
+    hw_flops += module_recompute_flops(job, job.model.n_layers - recomputed, kept) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
                       bubble_fraction=bubble / step, breakdown=br,

@@ -77,12 +77,22 @@ def describe(job: Job) -> str:
     ep = f" (ep {k['ep']})" if k["ep"] > 1 else ""
     cp = f" x cp {k['cp']} ({job.spec.cp_attention})" if k["cp"] > 1 else ""
     s = (f"tp {k['tp']} x pp {k['pp']} x dp {k['dp_replicate']}x{k['dp_shard']}{ep}{cp}, zero {k['zero']}, "
-         f"offload {k['offload']}, ac {k['ac']}, micro_batch {k['micro_batch']}")
+         f"offload {k['offload']}, ac {ac_words(k)}, micro_batch {k['micro_batch']}, {k['precision']}, loss {k['loss']}")
     if job.spec.layout.pp > 1:
         s += f", {job.spec.schedule}" + (f" v{job.spec.virtual_stages}" if job.spec.schedule == "interleaved_1f1b" else "")
     if job.spec.zero >= 2 and job.microbatches > 1:
         s += f", grad sync per {k['grad_sync'].replace('microbatch', 'micro-batch')}"
     return s
+
+
+# parallel.ac_modules in a few letters (the ranked table's ac column, the plot's labels)
+MODULE_ABBREV = {"attention": "attn", "mlp": "mlp", "moe_act": "mact", "norm": "norm", "moe": "moe"}
+
+
+def ac_words(k: dict, sep: str = ", ") -> str:
+    """parallel.ac and the modules parallel.ac_modules recomputes: "none", "none+norm,mlp"."""
+    mods = k.get("ac_modules") or []
+    return k["ac"] + ("+" + ",".join(MODULE_ABBREV.get(m, m) for m in mods) if mods else "")
 
 
 def _seconds(x: float) -> str:
@@ -149,15 +159,15 @@ def flop_convention(p: Plan) -> str:
 def table(cands: list, limit: Optional[float] = None) -> str:
     unit = "/" + words.device(cands[0].job.cluster.gpus_per_node if cands else 1)
     head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp':>7} {'ep':>3} {'cp':>3} {'zero':>4} {'offload':>7} {'ac':>9} {'mb':>2} "
-            f"{'schedule':>12} {'sync':>5} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {unit:>6} {'TFLOP/s':>7} {'MFU':>5}")
+            f"{'schedule':>12} {'sync':>5} {'prec':>4} {'loss':>7} {'mem GiB':>7} {'step s':>7} {'tokens/s':>10} {unit:>6} {'TFLOP/s':>7} {'MFU':>5}")
     rows = [head]
     for i, c in enumerate(cands, 1):
         k, t = knobs(c.job), c.time
         sched = k["schedule"] + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
         rows.append(f"{i:>3} {k['tp']:>2} {k['pp']:>3} {str(k['dp_replicate']) + 'x' + str(k['dp_shard']):>7} "
                     f"{k['ep']:>3} {k['cp']:>3} "
-                    f"{k['zero']:>4} {k['offload']:>7} {k['ac']:>9} {k['micro_batch']:>2} {sched:>12} "
-                    f"{('step' if k['grad_sync'] == 'step' else 'mb'):>5} "
+                    f"{k['zero']:>4} {k['offload']:>7} {ac_words(k):>9} {k['micro_batch']:>2} {sched:>12} "
+                    f"{('step' if k['grad_sync'] == 'step' else 'mb'):>5} {k['precision']:>4} {k['loss']:>7} "
                     f"{c.memory.device_total / GiB:>7.2f} {t.step_time_s:>7.3g} {t.tokens_per_s:>10,.0f} "
                     f"{t.tokens_per_s / c.job.world:>6,.0f} {t.tflops_per_gpu:>7.3g} {t.mfu:>5.1%}")
     return "\n".join(rows)
@@ -207,8 +217,8 @@ def short(job: Job) -> str:
     k = knobs(job)
     ep = f" ep{k['ep']}" if k["ep"] > 1 else ""
     cp = f" cp{k['cp']}" if k["cp"] > 1 else ""
-    s = (f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{ep}{cp} zero{k['zero']} ac {k['ac']} "
-         f"mb{k['micro_batch']}")
+    s = (f"tp{k['tp']} pp{k['pp']} dp{k['dp_replicate']}x{k['dp_shard']}{ep}{cp} zero{k['zero']} ac {ac_words(k)} "
+         f"mb{k['micro_batch']} {k['precision']}" + (" loss full" if k["loss"] == "full" else ""))
     if job.spec.layout.pp > 1:
         s += f" {job.spec.schedule}" + (f" v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
     if k["grad_sync"] == "step":
