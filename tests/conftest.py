@@ -42,7 +42,8 @@ COSTLY = {"test_checkpoint_resume.py": 330, "test_layouts.py": 340, "test_finetu
           "test_serializers.py": 80, "test_k8s.py": 55, "test_multirun.py": 55, "test_profile.py": 45,
           "test_plan.py": 45, "test_mpi.py": 40, "test_container.py": 40, "test_bench_collectives.py": 40,
           "test_corpus.py": 35, "test_launcher.py": 25, "test_sbatch.py": 25,
-          "test_rundir_owner.py": 40, "test_nonfinite.py": 20, "test_checkpoint_whole.py": 15}
+          "test_rundir_owner.py": 40, "test_nonfinite.py": 20, "test_checkpoint_whole.py": 15,
+          "test_fp8.py": 240, "test_fp16.py": 130, "test_ac_modules.py": 100, "test_chunked_loss.py": 30}
 
 
 # Fixtures that start ranks, train a model or build a tokenizer: a test that uses one is slow.

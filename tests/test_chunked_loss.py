@@ -126,3 +126,19 @@ def test_chunked_equals_full_logits_on_every_engine(probed, layout):
     assert abs(chunked - full) <= 1e-6 * full, got
     assert got["params"] >= 4, got  # gradients were compared
     assert got["worst"] <= 1e-6, got  # fp32: measured 2e-7 to 6.4e-7
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["train.loss_kernel=liger"], "Liger-Kernel's kernels are Triton, CUDA only. Fix: train.loss_kernel=auto"),
+    (["train.loss_kernel=liger", "train.loss=full"], "Fix: train.loss=chunked, or train.loss_kernel=auto"),
+    (["train.loss_kernel=liger", "cluster=h100", "launcher=sbatch", "parallel.tp=2"],
+     "its kernel needs the whole vocabulary on one rank"),
+    (["train.loss_chunk=-1"], "train.loss_chunk"),
+])
+def test_loss_options_refused_on_the_login_node(overrides, words):
+    from hpctrain.checks.config_checks import check, compose_checked
+    from hpctrain.core.compose import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        check(*compose_checked(["+experiment=tiny", *overrides]))
+    assert words in str(info.value), str(info.value)

@@ -130,7 +130,7 @@ REFUSED = {
     "shards-without-path": (("data=shards",), ("data.path", "python -m hpctrain.data.prepare", "data.path=<out dir>")),
     "shards-missing-dir": (("data=shards", "data.path=/nonexistent/hpctrain-shards"),
                            ("data.path=/nonexistent/hpctrain-shards", "Fix:", "hpctrain.data.prepare")),
-    "bad-choice": (("train.precision=fp8",), ("train.precision=fp8", "fp32, bf16", "Fix: train.precision=fp32")),
+    "bad-choice": (("train.precision=fp4",), ("train.precision=fp4", "fp32, bf16", "Fix: train.precision=fp8")),
     "zero1-tp-offload": (("launcher.nproc=4", "parallel.tp=2", "parallel.zero=1", "offload.target=cpu"),
                          ("offload.target=cpu", "parallel.zero=1", "tp=2", "Fix: parallel.zero=2 or 3")),
 }

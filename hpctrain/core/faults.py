@@ -17,6 +17,11 @@ HPCTRAIN_FAULT is set; several faults separated by `;`).
                                   happen
     nonfinite:step=4,rank=1       rank 1's loss of step 4 is NaN (its gradients stay finite): the
                                   step's update is not applied (train.on_nonfinite)
+    infgrad:step=4,rank=1         an infinity in one of rank 1's gradients at step 4, after backward
+                                  (and data parallel's reduction); `param=norm` picks the first
+                                  parameter whose name holds `norm`: under train.precision=fp16 an
+                                  overflow, which every rank must skip and halve the scale for;
+                                  otherwise a non-finite gradient (train.on_nonfinite)
     slow_step:ms=250              every step takes 250 ms longer (a sleep): lets a tiny run outlast a
                                   Slurm signal's arrival
 

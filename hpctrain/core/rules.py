@@ -269,6 +269,16 @@ def precision(spec: EngineSpec):
         yield Problem("no mxfp8 on the GPU", f"train.fp8.recipe=mxfp8 on cluster={name} (compute capability {cc:g}): "
                                               "MX block scaling needs compute capability 10.0 (B200). Fix: "
                                               "train.fp8.recipe=tensorwise or rowwise")
+    if pr == "fp8" and spec.lora:
+        yield Problem("fp8 with lora", f"train.precision=fp8 with model.lora.rank={spec.lora.rank}: the adapters go on "
+                                       "the frozen nn.Linear layers, which fp8 has replaced by torchao's float8 "
+                                       "linears (a float8 frozen base is not built). Fix: train.precision=bf16")
+    if pr == "fp8":
+        import importlib.util  # looks for the package without importing it (no torch on the login node)
+
+        if importlib.util.find_spec("torchao") is None:
+            yield Problem("fp8 without torchao", "train.precision=fp8 needs torchao, which is not installed. Fix: "
+                                                 "pip install 'hpctrain[fp8]' (torchao 0.18), or train.precision=bf16")
     f8 = cfg.train.fp8
     if bool(f8.all_gather):
         if pr != "fp8":
@@ -295,6 +305,24 @@ def precision(spec: EngineSpec):
 
 
 @rule
+def loss(spec: EngineSpec):
+    """train.loss_kernel=liger: Liger-Kernel's fused loss runs where it can."""
+    if str(spec.config.train.loss_kernel) != "liger":
+        return
+    if spec.loss != "chunked":
+        yield Problem("liger with loss=full", "train.loss_kernel=liger with train.loss=full: Liger-Kernel's kernel is "
+                                              "a chunked loss. Fix: train.loss=chunked, or train.loss_kernel=auto")
+    if spec.device != "cuda":
+        yield Problem("liger off CUDA", f"train.loss_kernel=liger on cluster.device={spec.device}: Liger-Kernel's "
+                                        "kernels are Triton, CUDA only. Fix: train.loss_kernel=auto (hpctrain's "
+                                        "chunked loss, the same numbers)")
+    if spec.layout.tp > 1:
+        yield Problem("liger with tp", f"train.loss_kernel=liger with parallel.tp={spec.layout.tp}: its kernel needs "
+                                       "the whole vocabulary on one rank, tensor parallel splits it. Fix: "
+                                       "train.loss_kernel=auto (hpctrain's vocabulary-parallel chunked loss)")
+
+
+@rule
 def recompute(spec: EngineSpec):
     """parallel.ac_modules: modules the blocks have, in blocks parallel.ac does not already recompute whole."""
     mods = spec.ac_modules
@@ -316,6 +344,17 @@ def recompute(spec: EngineSpec):
         yield Problem("ac_modules mlp without dense blocks", "parallel.ac_modules has mlp but every block is a "
                                                             "Mixture-of-Experts layer. Fix: moe_act (the experts' "
                                                             "activation) instead of mlp")
+    if spec.compile:
+        yield Problem("ac_modules with compile", f"parallel.ac_modules={shown} with train.compile: the compiled "
+                                                 "blocks keep what torch.compile's partitioner decides, and the "
+                                                 "modules' saved-tensor hooks are not traced. Fix: "
+                                                 "parallel.ac_modules=[] (or train.compile=false)")
+    if "norm" in mods and spec.layout.tp > 1:
+        yield Problem("ac_modules norm with tp", f"parallel.ac_modules has norm with parallel.tp={spec.layout.tp}: "
+                                                 "under tensor parallel the linears keep the norm outputs "
+                                                 "all-gathered (or, with parallel.sp_regather, a copy of this "
+                                                 "rank's shard), not the norm's own output, and recomputing "
+                                                 "them is not built. Fix: drop norm from parallel.ac_modules")
 
 
 def all_moe(model) -> bool:

@@ -40,6 +40,7 @@ Precision = _choice("Precision", "fp32 bf16 fp16 fp8")
 ReducePrecision = _choice("ReducePrecision", "fp32 bf16")
 Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise rowwise_with_gw_hp mxfp8")
 LossImpl = _choice("LossImpl", "chunked full")
+LossKernel = _choice("LossKernel", "auto torch liger")
 ACModule = _choice("ACModule", "attention mlp moe_act norm moe")
 OffloadTarget = _choice("OffloadTarget", "none cpu nvme")
 OffloadKernel = _choice("OffloadKernel", "auto cpp compile fused")
@@ -376,6 +377,11 @@ class TrainConfig:
     """chunked: the output layer and the cross-entropy computed train.loss_chunk tokens at a time, each
     chunk's gradient made at once and its logits dropped, so the whole logits never exist (as Liger's
     fused linear cross-entropy); full: the whole logits, then the loss (the reference)."""
+    loss_kernel: LossKernel = LossKernel("auto")
+    """Whose kernel computes train.loss=chunked. torch: hpctrain's (any device; vocabulary-parallel under
+    tensor parallel); liger: Liger-Kernel's fused linear cross-entropy (CUDA, Triton; `pip install
+    liger-kernel`; not with parallel.tp > 1, whose vocabulary-parallel split it does not know); auto: liger
+    on CUDA where it is installed and tp is 1, else torch."""
     loss_chunk: int = 0
     """Tokens per chunk of train.loss=chunked; 0 = enough chunks that one chunk's logits hold about as
     many elements as the micro-batch's hidden states (tokens / ceil(vocab / dim))."""

@@ -50,12 +50,22 @@ def is_adapter(name: str) -> bool:
 
 
 def loss_chunk_tokens(tokens: int, vocab: int, dim: int, asked: int = 0) -> int:
-    """Tokens per chunk of the chunked loss (train.loss=chunked) for a micro-batch of `tokens` on one rank:
+    """Tokens per chunk of the chunked loss (train.loss=chunked) for a micro-batch of `tokens` on one rank
+    whose output layer holds `vocab` rows (its slice of the vocabulary under tensor parallel):
     train.loss_chunk where set, else enough chunks that one chunk's logits (chunk x vocab) hold about as
     many elements as the micro-batch's hidden states (tokens x dim), Liger's rule: tokens / ceil(vocab /
-    dim), rounded up to a power of two. The engine (hpctrain.models.loss) and the planner read it here."""
+    dim), rounded up to a power of two, but at least MIN_LOSS_CHUNK tokens. The engine
+    (hpctrain.models.loss) and the planner read it here."""
     if asked > 0:
         return max(1, min(asked, tokens))
     chunks = max(1, -(-vocab // max(1, dim)))
     per = max(1, -(-tokens // chunks))
-    return min(tokens, 1 << (per - 1).bit_length())
+    return min(tokens, max(MIN_LOSS_CHUNK, 1 << (per - 1).bit_length()))
+
+
+# Liger's rule alone makes chunks of 16 tokens at vocabulary 32768 and dim 256: each chunk's three GEMMs are
+# then 16 rows thin and the weight's fp32 gradient (vocab x dim) is read and written once per chunk, so the
+# loss took 6.4x the whole logits' time on CPU (32 tokens 3x, 256 1.2x, 1024 0.92x: benchmarks/chunked_loss.py).
+# 1024 tokens keep the GEMMs as efficient as the whole one; a chunk's logits are still tokens / 1024 times
+# smaller than the whole logits (Liger-Kernel's own Triton kernel, train.loss_kernel=liger, chunks as it likes).
+MIN_LOSS_CHUNK = 1024

@@ -271,6 +271,19 @@ class EngineSpec:
         return str(self.config.train.loss)
 
     @property
+    def loss_kernel(self) -> str:
+        """torch | liger: who computes the chunked loss (train.loss_kernel, auto resolved: Liger-Kernel on
+        CUDA where installed and tp is 1). Asked on the ranks, where the CUDA packages are."""
+        k = str(self.config.train.loss_kernel)
+        if k != "auto":
+            return k
+        if self.loss != "chunked" or self.device != "cuda" or self.layout.tp > 1:
+            return "torch"
+        import importlib.util
+
+        return "liger" if importlib.util.find_spec("liger_kernel") is not None else "torch"
+
+    @property
     def loss_chunk(self) -> int:
         """Tokens per chunk of the chunked loss as asked (train.loss_chunk); 0 = automatic (loss_chunk_tokens)."""
         return int(self.config.train.loss_chunk)

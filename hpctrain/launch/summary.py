@@ -6,7 +6,8 @@ from hpctrain.report.goodput, the newest complete checkpoint from checkpoints/, 
 exports it for transformers. A run that wrote no checkpoint says why, and the keys that would save one. A
 run whose loss went non-finite says at which step (outcome.json's status nonfinite, as the ranks wrote it),
 that its newest checkpoint is the last one before that step, and what to change; steps skipped under
-train.on_nonfinite=skip are counted from metrics.jsonl.
+train.on_nonfinite=skip are counted from metrics.jsonl, and so are train.precision=fp16's overflow steps (with
+the last loss scale).
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ def summarize(run_dir: str | Path, cfg: Config) -> dict:
     skipped = [m["step"] for m in rows if m.get("nonfinite") is True]
     if skipped or last.get("skipped_steps"):
         out.update(skipped_steps=max(len(skipped), int(last.get("skipped_steps") or 0)), skipped=skipped)
+    if isinstance(last.get("loss_scale"), (int, float)):  # train.precision=fp16
+        overflowed = sum(m.get("overflow") is True for m in rows)
+        out.update(loss_scale=last["loss_scale"], overflow_steps=max(overflowed, int(last.get("overflow_steps") or 0)))
     if stop is not None:
         out["nonfinite"] = {k: stop.get(k) for k in ("step", "loss", "grad_norm")}
         out["nonfinite_fix"] = nonfinite_fix(cfg, out.get("checkpoint_step"))
@@ -120,6 +124,11 @@ def describe(s: dict) -> list[str]:
         shown = ", ".join(map(str, s["skipped"][:10])) + (", ..." if len(s["skipped"]) > 10 else "")
         lines.append(f"  {s['skipped_steps']} step{'' if s['skipped_steps'] == 1 else 's'} skipped, the loss or "
                      f"gradient norm not finite (train.on_nonfinite=skip)" + (f": step {shown}" if shown else ""))
+    if s.get("loss_scale") is not None:
+        n = s.get("overflow_steps") or 0
+        lines.append(f"  loss scale {s['loss_scale']:g} at step {s['step']} (train.precision=fp16)"
+                     + (f"; {n} step{'' if n == 1 else 's'} skipped on an fp16 gradient overflow, each halving the "
+                        "scale (expected now and then; not counted by train.on_nonfinite)" if n else ""))
     if s.get("checkpoint"):
         before = stop and s["checkpoint_step"] < stop["step"]  # (a checkpoint.load_step run may hold later ones)
         last_finite = f", the last finite one (step {s['checkpoint_step']}, before step {stop['step']})" if before else ""

@@ -41,6 +41,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(a.dim, width, bias=False)  # gate
         self.w3 = nn.Linear(a.dim, width, bias=False)  # up
         self.w2 = nn.Linear(width, a.dim, bias=False)  # down
+        # (gate, up) -> the product w2 reads; module recomputation puts its own in place
+        # (hpctrain.parallel.activation: parallel.ac_modules=[mlp])
+        self.act = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(self.act(self.w1(x), self.w3(x)))

@@ -43,21 +43,36 @@ class OutputHead(nn.Linear):
     def __init__(self, dim: int, vocab: int):
         super().__init__(dim, vocab, bias=False)
         # How the loss is computed (set from the run's config: set_loss).
-        self.impl, self.chunk, self.z_loss = "chunked", 0, 0.0
+        self.impl, self.chunk, self.z_loss, self.kernel = "chunked", 0, 0.0, "torch"
 
     def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         if targets is None:
             return F.linear(h, self.weight)
         if self.impl == "full":
             return full_loss(F.linear(h, self.weight), targets, self.z_loss)
+        if self.kernel == "liger":
+            return liger_loss(h, self.weight, targets, self.z_loss)
         return chunked_loss(h, self.weight, targets, self.chunk, self.z_loss)
 
 
-def set_loss(model: nn.Module, impl: str, chunk: int = 0, z_loss: float = 0.0) -> None:
-    """How `model`'s output head computes the loss: train.loss, train.loss_chunk, train.z_loss_coef."""
+def set_loss(model: nn.Module, impl: str, chunk: int = 0, z_loss: float = 0.0, kernel: str = "torch") -> None:
+    """How `model`'s output head computes the loss: train.loss, train.loss_chunk, train.z_loss_coef and the
+    resolved train.loss_kernel (spec.loss_kernel)."""
     for m in model.modules():
         if isinstance(m, OutputHead):
-            m.impl, m.chunk, m.z_loss = impl, chunk, z_loss
+            m.impl, m.chunk, m.z_loss, m.kernel = impl, chunk, z_loss, kernel
+
+
+def liger_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """chunked_loss by Liger-Kernel's fused linear cross-entropy (Triton, CUDA; the whole vocabulary on the
+    rank): its lse_square_scale is the same z-loss."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as e:
+        raise RuntimeError("train.loss_kernel=liger: Liger-Kernel is not installed on this node (pip install "
+                           "liger-kernel), or train.loss_kernel=auto") from e
+    return liger_fused_linear_cross_entropy(h.flatten(0, -2), weight.to(h.dtype), targets.flatten(),
+                                            ignore_index=IGNORE, lse_square_scale=z_loss, reduction="sum").float()
 
 
 def full_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
@@ -91,8 +106,7 @@ def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
         weight = local
     flat_h, flat_t = h.flatten(0, -2), targets.flatten()
     n = flat_h.shape[0]
-    size = loss_chunk_tokens(n, weight.shape[0] * (dist.get_world_size(group) if group is not None else 1),
-                             weight.shape[1], chunk)
+    size = loss_chunk_tokens(n, weight.shape[0], weight.shape[1], chunk)  # this rank's vocabulary (slice)
     grads = torch.is_grad_enabled()  # evaluation (no_grad) computes the losses only
     return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, size, float(z_loss), group, start, grads)
 
@@ -133,6 +147,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     token = token + z_loss * lse.pow(2) * keep
                 total += token.sum()
                 if not (want_h or want_w):
+                    del logits, probs
                     continue
                 # d loss / d logit_j = softmax_j (1 + 2 z lse) - [j is the target], for trained tokens
                 scale = (1.0 + 2.0 * z_loss * lse) * keep / sums[0]
@@ -142,17 +157,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = g.to(h.dtype)
                 if want_h:
                     torch.mm(g, w, out=grad_h[s:s + chunk])
-                if want_w:
-                    grad_w += (g.t() @ hc).to(acc)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.want = (want_h, want_w)
-        ctx.w_dtype = weight.dtype
+                if want_w and g.dtype == acc:
+                    grad_w.addmm_(g.t(), hc)  # in place: no weight-sized temporary per chunk
+                elif want_w:  # a 16-bit GEMM, added to the fp32 sum a slice of the vocabulary at a time, so
+                    # that its temporaries stay within half a chunk's logits
+                    rows = max(1, hc.shape[0] * vocab // (2 * hc.shape[1]))
+                    for r in range(0, vocab, rows):
+                        grad_w[r:r + rows] += (g[:, r:r + rows].t() @ hc).to(acc)
+                del logits, probs, g  # before the next chunk's logits are made: one chunk alive at a time
+        # Kept on ctx rather than saved for backward: they are gradients, not inputs to recompute from, and
+        # backward scales them in place (a graph here is never run backward twice).
+        ctx.grad_h, ctx.grad_w, ctx.w_dtype = grad_h, grad_w, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        want_h, want_w = ctx.want
-        gh = saved.pop(0) * grad_out if want_h else None  # (stays in h's dtype: grad_out is a 0-dim fp32)
-        gw = (saved.pop(0) * grad_out).to(ctx.w_dtype) if want_w else None
+        gh, gw = ctx.grad_h, ctx.grad_w
+        ctx.grad_h = ctx.grad_w = None
+        if gh is not None:
+            gh.mul_(grad_out)  # a 0-dim fp32 factor: multiplied in fp32, rounded once to h's dtype
+        if gw is not None:
+            gw = gw.mul_(grad_out).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None, None

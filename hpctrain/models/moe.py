@@ -99,6 +99,8 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w3 = nn.Parameter(torch.empty(e, f, a.dim))
         self.w2 = nn.Parameter(torch.empty(e, a.dim, f))
+        # (gate, up) -> the product w2 reads, as FeedForward.act (parallel.ac_modules=[moe_act])
+        self.act = swiglu
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, view: Callable = _as_is) -> torch.Tensor:
         """x: tokens sorted by expert, `counts[e]` rows for expert e of this module's weights. `view`: each
@@ -106,23 +108,23 @@ class Experts(nn.Module):
         has gathered the weights of this module (a unit of its own under expert parallel)."""
         w1, w2, w3 = (view(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped and aligned(x, w1, w2) and x.shape[0] > 0:
-            return grouped_swiglu(x, counts, w1, w2, w3)
-        return looped_swiglu(x, counts, w1, w2, w3)
+            return grouped_swiglu(x, counts, w1, w2, w3, self.act)
+        return looped_swiglu(x, counts, w1, w2, w3, self.act)
 
 
-def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+def looped_swiglu(x, counts, w1, w2, w3, act=swiglu) -> torch.Tensor:
     """The reference: one SwiGLU per expert over its rows."""
     out = []
     for e, rows in enumerate(x.split(counts.tolist())):
-        out.append(F.linear(swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e]))
+        out.append(F.linear(act(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e]))
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
 
-def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+def grouped_swiglu(x, counts, w1, w2, w3, act=swiglu) -> torch.Tensor:
     offs = counts.cumsum(0).to(torch.int32)
     gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
     up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    h = _contiguous_grad(swiglu(gate, up))
+    h = _contiguous_grad(act(gate, up))
     return _contiguous_grad(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs))
 
 

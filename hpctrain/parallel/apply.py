@@ -1,5 +1,5 @@
 """Apply the engine spec's parallelism to a meta-device model, torchtitan's order:
-pipeline split -> tensor parallel -> expert parallel -> context parallel -> MoE token dispatcher -> LoRA adapters
+pipeline split -> float8 (train.precision=fp8) -> tensor parallel -> expert parallel -> context parallel -> MoE token dispatcher -> LoRA adapters
 -> activation checkpointing -> sequence-parallel re-gather -> compile -> data parallel -> materialize.
 
 Returns the model parts this rank trains (one, or several pipeline stages) and, with pipeline
@@ -20,6 +20,7 @@ from hpctrain.models.moe import moe_modules
 from hpctrain.parallel.activation import apply_ac, apply_compile
 from hpctrain.parallel.context import apply_cp
 from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from hpctrain.parallel.float8 import apply_float8
 from hpctrain.parallel.dispatch import token_dispatcher
 from hpctrain.parallel.expert import apply_ep
 from hpctrain.parallel.init import materialize
@@ -48,7 +49,7 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
                 pin_memory: bool = True) -> Parallelized:
     """`model` must be on the meta device."""
     init = partial(materialize, device=device, seed=seed, init_param_=init_param_)
-    set_loss(model, spec.loss, spec.loss_chunk, spec.config.train.z_loss_coef)
+    set_loss(model, spec.loss, spec.loss_chunk, spec.config.train.z_loss_coef, spec.loss_kernel)
     pipe = spec.pipeline
     if pipe:
         ids = pipe.stage_ids(meshes["pp"].get_local_rank())
@@ -59,6 +60,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
     dispatcher = moe_dispatcher(model, meshes)
     out = []
     for part in parts:
+        if spec.fp8_recipe:  # before TP (torchtitan's order): the float8 modules are what TP, EP and FSDP2 shard
+            apply_float8(part, spec, device)
         if meshes.enabled("tp"):
             apply_tp(part, meshes["tp"])
         if meshes.enabled("ep"):
@@ -71,8 +74,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
             apply_lora(part, spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.targets)
             if spec.dtypes.compute != "float32":  # frozen: no fp32 copy needed, computed in bf16 anyway
                 store_frozen_as(part, getattr(torch, spec.dtypes.compute))
-        if spec.ac != "none":
-            apply_ac(part, spec.ac, spec.ac_every)
+        if spec.ac != "none" or spec.ac_modules:
+            apply_ac(part, spec.ac, spec.ac_every, spec.ac_modules)
         if spec.sp_regather:
             apply_sp_regather(part)
         if spec.compile:

@@ -35,9 +35,11 @@ from hpctrain.train.preempt import Preemption
 from hpctrain.train.profile import PhaseMemory, Profiler
 from hpctrain.train.progress import Progress, Schedule
 from hpctrain.train.router_stats import RouterStats
+from hpctrain.train.scaler import MIN_SCALE, LossScaler
 from hpctrain.train.stragglers import Stragglers
 from hpctrain.core.schema import Config, TrainConfig
 from hpctrain.checkpoint.hf_weights import load_hf
+from hpctrain.parallel.float8 import after_optimizer_step
 from hpctrain.parallel.pipeline import build_schedule, forward_only
 from hpctrain.train.trackers import from_config
 
@@ -53,8 +55,10 @@ class Outcome:
     nonfinite: dict | None = None  # status nonfinite: the step that stopped the run, its loss and gradient norm
 
 
-# What became of a step's update (Trainer.train_step).
-APPLIED, SKIPPED, STOPPED = "applied", "skipped", "stopped"
+# What became of a step's update (Trainer.train_step). OVERFLOW: train.precision=fp16's gradients overflowed at
+# the loss scale on some rank; the step is skipped on every rank and the scale halves (hpctrain.train.scaler),
+# an expected event apart from train.on_nonfinite's SKIPPED.
+APPLIED, SKIPPED, STOPPED, OVERFLOW = "applied", "skipped", "stopped", "overflow"
 
 
 def nonfinite_action(train: TrainConfig, skipped: int) -> str:
@@ -128,15 +132,23 @@ class Trainer:
         self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
                                    self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed)
         self.progress = Progress()
-        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, {
+        # train.precision=fp16: dynamic loss scaling, its state in checkpoints (only then: checkpoints of other
+        # precisions, older ones included, have no "scaler" entry and need none).
+        self.scaler = (LossScaler(device, cfg.train.fp16.init_scale, cfg.train.fp16.growth_interval)
+                       if self.spec.loss_scaling else None)
+        self.step_scale: float | None = None  # the loss scale the last step's backward ran with
+        state = {
             "model": ModelState(self.parts),
             "optim": OptimizerState(self.parts, self.optimizer),
             "scheduler": Schedule(self.scheduler, self.optimizer),
             "data": self.sampler,
             "progress": self.progress,
             "rng": RNG(),
-        }, total_steps=cfg.train.steps,
-            meta={"layout": asdict(self.spec.layout), "config": to_dict(cfg)})
+        }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, state, total_steps=cfg.train.steps,
+                                      meta={"layout": asdict(self.spec.layout), "config": to_dict(cfg)})
         self._val_data = None
         self.resumed_from: int | None = None
         self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)
@@ -206,6 +218,16 @@ class Trainer:
 
     _loss_scale = 1.0
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward runs on: times fp16's loss scale (hpctrain.train.scaler), else itself."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _train_loss_fn(self, loss: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """loss_fn as a pipeline schedule runs it in training: the schedule runs backward on what it returns,
+        so fp16's loss scale is applied here (the losses it hands back are scaled: _pipeline_forward_backward
+        divides them again)."""
+        return self._scaled(self.loss_fn(loss, targets))
+
     def _scale_loss_for(self, micro, pipelined: bool, masked: bool) -> None:
         """The step's loss is the mean over the trained tokens of the whole global batch (chat data: the
         assistant's; else every token), however they fall on micro-batches and ranks. Data-parallel
@@ -225,7 +247,7 @@ class Trainer:
 
         stages = [PipelineStage(part, s, self.par.num_stages, self.device, group=self.pp_group)
                   for part, s in zip(self.parts, self.par.stage_indices)]
-        return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self.loss_fn)
+        return build_schedule(stages, self.spec.pipeline.schedule, self.spec.microbatches, self._train_loss_fn)
 
     _memory: Optional[PhaseMemory] = None  # profile.memory: peak memory per phase (set by fit)
 
@@ -242,7 +264,7 @@ class Trainer:
                 with self._phase("forward"):
                     loss = self.loss_fn(self.parts[0](x, targets=y, **kw))
                 with self._phase("backward"):
-                    loss.backward()
+                    self._scaled(loss).backward()
             loss_sum += _plain(loss.detach())
         return self._poisoned(loss_sum)
 
@@ -252,6 +274,23 @@ class Trainer:
         if faults.armed("nonfinite", step=self.step + 1, rank=self.rank) is None:
             return loss
         return loss + float("nan")
+
+    def _inf_gradient(self) -> None:
+        """HPCTRAIN_FAULT="infgrad:step=N,rank=R[,param=NAME]": an infinity in one of rank R's gradients at step
+        N (the first parameter whose name contains NAME, or the first), written after backward (and so after
+        data parallel's reduction): no other rank holds it, only the trainer's agreement can tell them. Under
+        fp16 an overflow; otherwise a non-finite gradient (train.on_nonfinite)."""
+        fault = faults.armed("infgrad", step=self.step + 1, rank=self.rank)
+        if fault is None:
+            return
+        with torch.no_grad():
+            for part in self.parts:
+                for name, p in part.named_parameters():
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    # (an FSDP shard may hold no element of a small parameter)
+                    if g is not None and g.numel() and str(fault.get("param", "")) in name:
+                        g.view(-1)[0] = float("inf")
+                        return
 
     def _on_device(self, x, y, kw):
         kw = {k: v.to(self.device, non_blocking=True) for k, v in kw.items()}
@@ -271,14 +310,35 @@ class Trainer:
         # Only the rank holding the last stage knows the loss; the pipeline group sums it out.
         loss = (torch.stack([_plain(l.detach()).float() for l in losses]).mean() if self.par.last
                 else torch.zeros((), device=self.device))
+        if self.scaler is not None:  # the schedule's losses are scaled (_train_loss_fn); a power of two: exact
+            loss = loss / self.scaler.value
         loss = self._poisoned(loss)
         dist.all_reduce(loss, group=self.pp_group)  # a non-finite loss too reaches every stage
         return loss
 
     # What became of the last step's update: APPLIED; or, its loss or gradient norm not finite, SKIPPED (the
     # step counts, weights and optimizer state unchanged) or STOPPED (nothing changed, not even the step
-    # count: the run ends).
+    # count: the run ends); under fp16, OVERFLOW (as SKIPPED, but counted apart, by the scaler).
     update = APPLIED
+
+    def _action(self, loss: torch.Tensor, norm: torch.Tensor) -> str:
+        """What becomes of this step's update, the same on every rank: `loss` is the mean over the ranks and
+        `norm` the global norm, so any rank's non-finite value is every rank's; under fp16 the ranks also agree
+        on an overflow (hpctrain.train.scaler), and the scaler backs off or grows."""
+        if self.scaler is None:
+            finite = bool(torch.isfinite(loss) & torch.isfinite(norm))
+            return APPLIED if finite else nonfinite_action(self.cfg.train, self.progress.skipped)
+        self.step_scale = self.scaler.value
+        overflow = self.scaler.agree(norm)
+        self.scaler.update(overflow)
+        if not bool(torch.isfinite(loss)):
+            return nonfinite_action(self.cfg.train, self.progress.skipped)
+        if not overflow:
+            return APPLIED
+        if self.step_scale < MIN_SCALE:  # halving has not helped: the gradient is not finite at any scale
+            return nonfinite_action(self.cfg.train, self.progress.skipped)
+        self.scaler.overflows += 1
+        return OVERFLOW
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: its loss (the mean over the ranks) and global gradient norm; self.update says what
@@ -289,17 +349,20 @@ class Trainer:
                 loss = self._pipeline_forward_backward(micro)
         else:
             loss = self._forward_backward(micro)
+        self._inf_gradient()
         with self._phase("optimizer"):
+            if self.scaler is not None:  # the norm, clipping and the update see true gradients
+                self.scaler.unscale_(self.params)
             # The norm is computed whatever optim.grad_clip says: the update depends on it being finite.
             norm = grad_norm_and_clip(self.params, self.cfg.optim.grad_clip, self.pp_group)
             # Every data-parallel rank saw different samples: the step's loss is their mean. Reduced before
             # the update, it carries a non-finite loss of any rank (the pipeline stages have the last one's)
             # to every rank, as the norm carries a non-finite gradient: all decide alike, no collective more.
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-            finite = bool(torch.isfinite(loss) & torch.isfinite(norm))
-            self.update = APPLIED if finite else nonfinite_action(self.cfg.train, self.progress.skipped)
+            self.update = self._action(loss, norm)
             if self.update == APPLIED:
                 self.optimizer.step()
+                after_optimizer_step(self.parts, self.spec)  # fp8 all-gather: the scales of the next gather
             self.optimizer.zero_grad(set_to_none=True)
             if self.update == STOPPED:
                 return loss, norm
@@ -390,7 +453,7 @@ class Trainer:
                 if action == STOPPED:
                     status, nonfinite = "nonfinite", self._stop_nonfinite(logger, loss_v, norm_v, lr, t0)
                     break
-                flags = {} if action == APPLIED else {"nonfinite": True}
+                flags = {APPLIED: {}, OVERFLOW: {"overflow": True}}.get(action, {"nonfinite": True})
                 if action == SKIPPED and logger:
                     logger.event(f"step {self.step}: loss {loss_v:.4g}, gradient norm {norm_v:.4g}: not finite, the "
                                  f"update is skipped ({self.progress.skipped} of at most train.max_skipped_steps="
@@ -494,8 +557,12 @@ class Trainer:
         extra = dict(extra or {})
         if self.progress.skipped:  # the run's count: the progress line and the summary show it
             extra["skipped_steps"] = self.progress.skipped
+        if self.scaler is not None:  # fp16: the scale this step's backward ran with, the run's overflows
+            extra["loss_scale"] = self.step_scale
+            if self.scaler.overflows:
+                extra["overflow_steps"] = self.scaler.overflows
         if (step % self.cfg.train.log_every and step != self.cfg.train.steps and val is None
-                and not extra.get("nonfinite")):
+                and not extra.get("nonfinite") and not extra.get("overflow")):
             return
         spread = self.stragglers.observe(dt)  # a collective: every rank, at every logged step
         routing = self.routers.metrics()  # a collective over the pipeline stages, likewise

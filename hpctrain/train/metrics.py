@@ -107,6 +107,12 @@ class MetricsLogger:
             line += "  not finite: no update"
         if r.get("skipped_steps"):  # the run's count (train.on_nonfinite=skip)
             line += f"  skipped {r['skipped_steps']}"
+        if "loss_scale" in r:  # train.precision=fp16: the loss scale, and the steps its overflows skipped
+            line += f"  scale {r['loss_scale']:g}"
+            if r.get("overflow"):
+                line += " overflow: no update"
+            if r.get("overflow_steps"):
+                line += f"  overflows {r['overflow_steps']}"
         if self.live:
             self.stream.write("\r\033[K" + line + ("\n" if step >= self.total or "val_loss" in r else ""))
         else:
