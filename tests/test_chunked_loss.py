@@ -134,6 +134,12 @@ def test_chunked_equals_full_logits_on_every_engine(probed, layout):
     (["train.loss_kernel=liger", "cluster=h100", "launcher=sbatch", "parallel.tp=2"],
      "its kernel needs the whole vocabulary on one rank"),
     (["train.loss_chunk=-1"], "train.loss_chunk"),
+    (["train.loss_kernel=liger"], "Liger-Kernel, which is not installed. Fix: pip install liger-kernel"),
+    (["train.loss=full", "train.loss_chunk=64"], "the whole logits are one chunk. Fix: train.loss=chunked"),
+    # options of a precision the run does not use: refused, not ignored
+    (["train.fp8.recipe=rowwise"], "train.fp8.recipe=rowwise with train.precision=fp32: the recipe is fp8's"),
+    (["train.fp16.growth_interval=10", "train.precision=bf16"], "train.fp16.growth_interval=10 with "
+                                                                 "train.precision=bf16: only fp16 scales the loss"),
 ])
 def test_loss_options_refused_on_the_login_node(overrides, words):
     from hpctrain.checks.config_checks import check, compose_checked

@@ -299,6 +299,21 @@ def test_fp16_tracks_fp32_on_one_rank(tmp_path, world_of_one):
     assert_tracks(run("fp32"), run("fp16"))
 
 
+def test_the_balancing_losses_are_scaled_with_the_loss(tmp_path, world_of_one):
+    """An MoE model whose balancing loss dominates the gradient (coefficient 10): its gradient, injected by the
+    routers beside the loss's, must carry the loss scale too, or unscaling divides it by 65536 (found in
+    review: fp16's gradient norm was the norm without the balancing loss). Mutant: set_aux_scale not given the
+    scaler's value."""
+    def run(prec: str) -> list:
+        # a scale of 256: 65536 x that balancing gradient overflows fp16 at step 2 (a skipped step, rightly)
+        t = trainer(tmp_path / prec, "train.steps=2", f"train.precision={prec}", "model=moe_tiny",
+                    "model.moe.aux_loss_coef=10", *(["train.fp16.init_scale=256"] if prec == "fp16" else []))
+        return [float(t.train_step()[1]) for _ in range(2)]
+
+    fp32, fp16 = run("fp32"), run("fp16")
+    assert all(abs(a - b) <= 0.01 * a for a, b in zip(fp32, fp16)), (fp32, fp16)
+
+
 def test_the_scaler_entry_is_checked_like_every_checkpoint_state():
     """hpctrain.json's "scaler" goes through hpctrain.checkpoint.validate as every plain state does: a
     negative, zero or non-number scale, a key this run's scaler has not, or an entry missing under fp16 is

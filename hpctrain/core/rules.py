@@ -10,8 +10,10 @@ rule here: whether a layout fits is the planner's (hpctrain.plan.memory). No tor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator
 
+from hpctrain.core.schema import Fp16Config, Fp8Config
 from hpctrain.core.shape import moe_layer
 from hpctrain.core.spec import EngineSpec, Layout
 
@@ -246,6 +248,15 @@ def engine(spec: EngineSpec):
                                            "Fix: parallel.grad_sync=auto")
 
 
+@lru_cache(maxsize=None)
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it (the login node imports no torch);
+    cached: the planner asks for thousands of layouts."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 # The CUDA compute capability each precision needs (bf16 tensor cores from Ampere, FP8 from Ada/Hopper,
 # MX block scaling from Blackwell).
 BF16_SM, FP8_SM, MXFP8_SM = 8.0, 8.9, 10.0
@@ -274,12 +285,20 @@ def precision(spec: EngineSpec):
                                        "the frozen nn.Linear layers, which fp8 has replaced by torchao's float8 "
                                        "linears (a float8 frozen base is not built). Fix: train.precision=bf16")
     if pr == "fp8":
-        import importlib.util  # looks for the package without importing it (no torch on the login node)
-
-        if importlib.util.find_spec("torchao") is None:
+        if not installed("torchao"):
             yield Problem("fp8 without torchao", "train.precision=fp8 needs torchao, which is not installed. Fix: "
                                                  "pip install 'hpctrain[fp8]' (torchao 0.18), or train.precision=bf16")
     f8 = cfg.train.fp8
+    # An option of a precision the run does not use would do nothing: refused rather than ignored.
+    if pr != "fp8" and str(f8.recipe) != str(Fp8Config().recipe):
+        yield Problem("fp8 recipe without fp8", f"train.fp8.recipe={f8.recipe} with train.precision={pr}: the recipe "
+                                                "is fp8's. Fix: train.precision=fp8, or leave train.fp8.recipe out")
+    f16, unset = cfg.train.fp16, Fp16Config()
+    changed = [k for k in ("init_scale", "growth_interval") if getattr(f16, k) != getattr(unset, k)]
+    if pr != "fp16" and changed:
+        yield Problem("fp16 options without fp16", f"train.fp16.{changed[0]}={getattr(f16, changed[0])} with "
+                                                   f"train.precision={pr}: only fp16 scales the loss. Fix: "
+                                                   f"train.precision=fp16, or leave train.fp16.* out")
     if bool(f8.all_gather):
         if pr != "fp8":
             yield Problem("fp8 all-gather without fp8", f"train.fp8.all_gather=true with train.precision={pr}: there "
@@ -306,9 +325,21 @@ def precision(spec: EngineSpec):
 
 @rule
 def loss(spec: EngineSpec):
-    """train.loss_kernel=liger: Liger-Kernel's fused loss runs where it can."""
-    if str(spec.config.train.loss_kernel) != "liger":
+    """train.loss_chunk where chunks are made; train.loss_kernel=liger where Liger-Kernel's fused loss runs."""
+    t = spec.config.train
+    if spec.loss_chunk and spec.loss != "chunked":
+        yield Problem("loss_chunk with loss=full", f"train.loss_chunk={spec.loss_chunk} with train.loss=full: the "
+                                                   "whole logits are one chunk. Fix: train.loss=chunked, or "
+                                                   "train.loss_chunk=0")
+    if str(t.loss_kernel) != "liger":
         return
+    if spec.loss_chunk:
+        yield Problem("loss_chunk with liger", f"train.loss_chunk={spec.loss_chunk} with train.loss_kernel=liger: "
+                                               "Liger-Kernel sizes its own chunks. Fix: train.loss_chunk=0, or "
+                                               "train.loss_kernel=torch")
+    if not installed("liger_kernel"):
+        yield Problem("liger not installed", "train.loss_kernel=liger needs Liger-Kernel, which is not installed. "
+                                             "Fix: pip install liger-kernel (CUDA), or train.loss_kernel=auto")
     if spec.loss != "chunked":
         yield Problem("liger with loss=full", "train.loss_kernel=liger with train.loss=full: Liger-Kernel's kernel is "
                                               "a chunked loss. Fix: train.loss=chunked, or train.loss_kernel=auto")

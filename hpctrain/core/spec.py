@@ -279,9 +279,9 @@ class EngineSpec:
             return k
         if self.loss != "chunked" or self.device != "cuda" or self.layout.tp > 1:
             return "torch"
-        import importlib.util
+        from hpctrain.core.rules import installed
 
-        return "liger" if importlib.util.find_spec("liger_kernel") is not None else "torch"
+        return "liger" if installed("liger_kernel") else "torch"
 
     @property
     def loss_chunk(self) -> int:

@@ -166,12 +166,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         grad_w[r:r + rows] += (g[:, r:r + rows].t() @ hc).to(acc)
                 del logits, probs, g  # before the next chunk's logits are made: one chunk alive at a time
         # Kept on ctx rather than saved for backward: they are gradients, not inputs to recompute from, and
-        # backward scales them in place (a graph here is never run backward twice).
+        # backward scales them in place and lets them go (the graph's node may live on: a pipeline schedule
+        # keeps every micro-batch's loss until the step ends).
         ctx.grad_h, ctx.grad_w, ctx.w_dtype = grad_h, grad_w, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
+        if getattr(ctx, "done", False):
+            # The gradients were handed out and freed: torch's pipeline schedules run a stage's backward once
+            # (the zero-bubble ones split the stages before the last); a second pass would lose them.
+            raise RuntimeError("the chunked loss's backward ran a second time (a retained graph run backward "
+                               "again); its gradients are made once. Fix: train.loss=full")
+        ctx.done = True
         gh, gw = ctx.grad_h, ctx.grad_w
         ctx.grad_h = ctx.grad_w = None
         if gh is not None:

@@ -669,6 +669,8 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
     held_g = in_flight_with_grads(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
     # the head's buffers (loss_buffers) live in one window: from its forward to its backward
     head = {k: extra.pop(k) for k in ("logits", "loss_grads") if k in extra}
+    if "loss_grads" in head:  # each micro-batch's head forward keeps its own until its backward (GPipe: all m)
+        head["loss_grads"] *= max(1.0, held)
     logits = sum(head.values())
     accum = accumulated_grads(job, sp)
     if accum and job.spec.zero >= 2:  # the sharded gradients appear as the unsharded ones are reduced and freed

@@ -42,9 +42,11 @@ class Space:
     losses: tuple = ("chunked", "full")
     # parallel.ac_modules sets tried where a layout without checkpointing (ac=none) runs out of device
     # memory only, cheapest recompute first: Megatron's --recompute-modules, by hpctrain.parallel.activation's
-    # names. Dense models take the first three, MoE models all.
-    ac_module_sets: tuple = (("norm",), ("norm", "mlp"), ("attention", "norm", "mlp"),
-                             ("norm", "moe_act"), ("attention", "norm", "moe_act"), ("norm", "moe"))
+    # names. Dense models take the ones without moe*, MoE models all; the sets without norm serve tensor
+    # parallel, under which the rule book refuses norm.
+    ac_module_sets: tuple = (("norm",), ("mlp",), ("norm", "mlp"), ("attention", "mlp"), ("attention", "norm", "mlp"),
+                             ("moe_act",), ("norm", "moe_act"), ("attention", "moe_act"), ("attention", "norm", "moe_act"),
+                             ("norm", "moe"))
 
 
 @dataclass

@@ -119,7 +119,8 @@ class Trainer:
         # A micro-batch's share of the step's loss; pipeline schedules divide the gradients themselves.
         # Each cp rank's balancing losses are its part of the sequence's, and the gradients are averaged
         # over the cp ranks (which are data-parallel ranks for them): x cp makes the sum the whole's.
-        self.routers.set_aux_scale((1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches) * self.spec.layout.cp)
+        self._aux_scale = (1.0 if self.spec.pipeline else 1.0 / self.spec.microbatches) * self.spec.layout.cp
+        self.routers.set_aux_scale(self._aux_scale)
         self.schedule = self._pipeline_schedule() if self.spec.pipeline else None
         eos = eos_id(cfg)
         if cfg.data.document_mask and eos is None:  # the login node refuses this; a rank must not mask nothing
@@ -344,6 +345,8 @@ class Trainer:
         """One step: its loss (the mean over the ranks) and global gradient norm; self.update says what
         became of its update."""
         micro = self.sampler.next_step()
+        if self.scaler is not None:  # the balancing losses' gradients join the scaled loss's: scaled alike
+            self.routers.set_aux_scale(self._aux_scale * self.scaler.value)
         if self.schedule is not None:
             with self._phase("forward_backward"):  # interleaved inside the pipeline schedule
                 loss = self._pipeline_forward_backward(micro)
