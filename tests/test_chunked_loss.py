@@ -148,3 +148,21 @@ def test_loss_options_refused_on_the_login_node(overrides, words):
     with pytest.raises(ConfigError) as info:
         check(*compose_checked(["+experiment=tiny", *overrides]))
     assert words in str(info.value), str(info.value)
+
+
+def test_a_split_backward_gets_both_gradients():
+    """torch's zero-bubble schedules run a stage's backward in two passes over one retained graph: the input
+    gradients (stage_backward_input), then the weights' (stage_backward_weight). Both must come out as one
+    backward gives them. Mutant: the kept gradients freed by the first pass (found by the layouts' zbv run)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    lin, w = torch.nn.Linear(8, 8, bias=False), torch.nn.Parameter(torch.randn(20, 8))
+    x, t = torch.randn(1, 6, 8, requires_grad=True), torch.randint(0, 20, (1, 6))
+    chunked_loss(lin(x), w, t, 4).backward()
+    want = x.grad.clone(), lin.weight.grad.clone(), w.grad.clone()
+    x.grad = lin.weight.grad = w.grad = None
+    got, groups = stage_backward_input([chunked_loss(lin(x), w, t, 4)], None, [x], [lin.weight, w])
+    stage_backward_weight([lin.weight, w], groups)
+    for a, b in zip((got[0], lin.weight.grad, w.grad), want):
+        torch.testing.assert_close(a, b)

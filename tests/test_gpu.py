@@ -380,3 +380,43 @@ def test_mxfp8_on_sm100_tracks_bf16(tmp_path):
     proc = run_cli(*over, "train.precision=fp8", "train.fp8.recipe=mxfp8", f"run.dir={tmp_path / 'fp8'}", timeout=900)
     assert "float8 expert groups" in proc.stderr, proc.stderr[-3000:]
     close(losses(tmp_path / "fp8"), losses(tmp_path / "bf16"), FP8_TOL)
+
+
+def test_chunked_loss_on_cuda_equals_full_logits_and_liger():
+    """The chunked loss's CUDA path in bf16 (hpctrain's torch kernel, and Liger-Kernel's Triton one where it is
+    installed: train.loss_kernel=auto picks it on CUDA) against the whole logits in fp32: the loss and both
+    gradients."""
+    from hpctrain.models.loss import IGNORE, chunked_loss, full_loss, liger_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(2, 1500, 512, device="cuda", generator=g)
+    w = torch.randn(32000, 512, device="cuda", generator=g) * 0.02
+    t = torch.randint(0, 32000, (2, 1500), device="cuda", generator=g)
+    t[0, :100] = IGNORE
+
+    def grads(fn, dtype):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        loss = fn(hh, ww)
+        loss.backward()
+        return loss.float(), hh.grad.float(), ww.grad.float()
+
+    ref = grads(lambda a, b: full_loss(a @ b.t(), t, 1e-4), torch.float32)
+    kernels = [lambda a, b: chunked_loss(a, b, t, 512, 1e-4)]
+    try:
+        import liger_kernel  # noqa: F401
+        kernels.append(lambda a, b: liger_loss(a, b, t, 1e-4))
+    except ImportError:
+        pass
+    for fn in kernels:
+        got = grads(fn, torch.bfloat16)
+        assert abs(got[0] - ref[0]) <= 1e-2 * ref[0]
+        for a, b in zip(got[1:], ref[1:]):
+            assert (a - b).norm() <= 2e-2 * b.norm()
+
+
+def test_fp16_on_cuda_tracks_fp32_on_the_cpu(tmp_path, cpu_fp32):
+    """train.precision=fp16 on CUDA (FSDP2's float16 parameters, the loss scale): the losses track fp32."""
+    run_cli(*SMALL, *GPU, "train.precision=fp16", f"run.dir={tmp_path}", timeout=600)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all("loss_scale" in r for r in rows if "loss" in r)
+    close(losses(tmp_path), cpu_fp32, BF16_TOL)

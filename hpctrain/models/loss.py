@@ -173,16 +173,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if getattr(ctx, "done", False):
-            # The gradients were handed out and freed: torch's pipeline schedules run a stage's backward once
-            # (the zero-bubble ones split the stages before the last); a second pass would lose them.
-            raise RuntimeError("the chunked loss's backward ran a second time (a retained graph run backward "
-                               "again); its gradients are made once. Fix: train.loss=full")
-        ctx.done = True
         gh, gw = ctx.grad_h, ctx.grad_w
-        ctx.grad_h = ctx.grad_w = None
+        if _graph_kept():
+            # A retained graph runs this again: torch's zero-bubble schedules take a stage's input gradients
+            # first, then its weights' from the same graph. Out of place, the tensors kept for that.
+            gh = gh * grad_out if gh is not None else None
+            gw = (gw * grad_out).to(ctx.w_dtype) if gw is not None else None
+            return gh, gw, None, None, None, None, None, None
+        ctx.grad_h = ctx.grad_w = None  # the last pass: scaled in place, then let go
         if gh is not None:
             gh.mul_(grad_out)  # a 0-dim fp32 factor: multiplied in fp32, rounded once to h's dtype
         if gw is not None:
             gw = gw.mul_(grad_out).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None, None
+
+
+def _graph_kept() -> bool:
+    """Whether the backward running now keeps the graph for another pass (retain_graph=True). torch says so
+    only privately; where it does not, assume it does (out of place: right, one copy more)."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return True
