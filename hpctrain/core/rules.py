@@ -167,6 +167,10 @@ def cp_fallback_problem(spec: EngineSpec) -> str:
         why, fix = "data.document_mask=true", "data.document_mask=false (torch's ring, causal only), or parallel.cp=1"
     elif str(spec.config.parallel.cp_kernel) == "hpctrain":
         why, fix = "parallel.cp_kernel=hpctrain", "parallel.cp_kernel=auto with train.precision=bf16 (torch's ring)"
+    elif spec.dtypes.compute != "float32":  # 16 bits, but flash attention (grouped K/V in torch's ring) needs SM80
+        why = (f"cluster.compute_capability={float(spec.config.cluster.compute_capability):g} with grouped-query "
+               "attention: torch's ring takes grouped K/V through flash attention only, from SM80 (A100)")
+        fix = "parallel.cp=1, or GPUs of compute capability 8.0 or more"
     else:
         why, fix = f"train.precision={spec.precision}", "train.precision=bf16 (torch's ring), or parallel.cp=1"
     return (f"parallel.cp={cp} on CUDA with hpctrain's attention kernel ({why}): its chunk pairs run on CUDA as fp32 "

@@ -308,7 +308,10 @@ class EngineSpec:
         16-bit compute (with grouped-query K/V only CUDA's flash kernel, a 16-bit one, serves torch's ring)."""
         k = str(self.config.parallel.cp_kernel)
         if k == "auto":
-            covered = self.device == "cuda" and not self.document_mask and self.dtypes.compute != FLOAT32
+            cc = float(self.config.cluster.compute_capability)
+            # (flash attention, the one kernel of torch's ring that takes grouped-query K/V, needs SM80+)
+            covered = (self.device == "cuda" and not self.document_mask and self.dtypes.compute != FLOAT32
+                       and (cc == 0 or cc >= 8.0 or self.model.n_kv_heads in (0, self.model.n_heads)))
             return "torch" if covered else "hpctrain"
         return k
 
