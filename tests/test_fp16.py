@@ -316,9 +316,9 @@ def test_the_balancing_losses_are_scaled_with_the_loss(tmp_path, world_of_one):
 
 def test_the_scaler_entry_is_checked_like_every_checkpoint_state():
     """hpctrain.json's "scaler" goes through hpctrain.checkpoint.validate as every plain state does: a
-    negative, zero or non-number scale, a key this run's scaler has not, or an entry missing under fp16 is
-    refused with the file and the entry named; a good one loads. A checkpoint without the entry (fp32, bf16,
-    an older hpctrain) is refused only by a run that has a scaler. Mutants: no state_problem (a zero scale
+    negative, zero or non-number scale, a key this run's scaler has not is refused with the file and the
+    entry named; a good one loads. A checkpoint without the entry (fp32, bf16, an older hpctrain) starts the
+    scale afresh. Mutants: no state_problem (a zero scale
     loads and every gradient becomes 0); the scaler's state not JSON-plain."""
     import torch
 
@@ -339,16 +339,13 @@ def test_the_scaler_entry_is_checked_like_every_checkpoint_state():
                       ({"scale": 2.0, "growth_tracker": 0, "found_inf": 1}, "holds \"found_inf\"")]:
         problem = plain_problems(Path("ck"), {"scaler": bad}, {"scaler": s})
         assert problem and says in problem and "ck/hpctrain.json's scaler" in problem, (bad, problem)
-    assert "holds no scaler state (written by a run without train.precision=fp16" in \
-        plain_problems(Path("ck"), {}, {"scaler": s})
+    assert plain_problems(Path("ck"), {}, {"scaler": s}) is None  # written without fp16: a fresh scale
 
 
 def test_checkpoints_across_precisions(tmp_path, world_of_one):
     """A checkpoint of an fp16 run resumes under fp32 (its scaler entry unread); one written without fp16
-    is refused by a run under fp16, saying why and what to do. Mutant: the entry required of every run (the
-    checkpoints of every earlier run would be refused)."""
-    from hpctrain.checkpoint.manager import NoUsableCheckpoint
-
+    resumes under fp16 with a fresh scale (a bf16 run moved to V100s). Mutant: the entry required of every
+    run (the checkpoints of every earlier run would be refused)."""
     run = tmp_path / "run"
     trainer(run, "train.steps=1", "train.precision=fp16", "checkpoint.every=1").fit()
     t = trainer(run, "train.steps=2", "train.precision=fp32", "checkpoint.every=1")
@@ -356,8 +353,9 @@ def test_checkpoints_across_precisions(tmp_path, world_of_one):
     assert t.resumed_from == 1 and t.step == 2 and t.scaler is None
     other = tmp_path / "other"
     trainer(other, "train.steps=1", "train.precision=fp32", "checkpoint.every=1").fit()
-    with pytest.raises(NoUsableCheckpoint, match="holds no scaler state .*Fix: resume with the train.precision"):
-        trainer(other, "train.steps=2", "train.precision=fp16").fit()
+    t = trainer(other, "train.steps=2", "train.precision=fp16", "train.fp16.init_scale=1024")
+    t.fit()
+    assert t.resumed_from == 1 and t.step == 2 and t.scaler.value == 1024.0
 
 
 @pytest.mark.parametrize("cluster", ["v100", "t4"])

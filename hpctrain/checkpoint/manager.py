@@ -428,7 +428,7 @@ class CheckpointManager:
             if claims:
                 raise DamagedCheckpoint(claims)
             plain = {n: info[n] for n, o in self.objects.items()
-                     if not getattr(o, "sharded", False) and not getattr(o, "per_rank", False)}
+                     if not getattr(o, "sharded", False) and not getattr(o, "per_rank", False) and n in info}
             plain.update(self._per_rank_states(path, info))
         except DamagedCheckpoint as e:
             problem = str(e)

@@ -95,9 +95,10 @@ def plain_problems(path: Path, info: dict, objects: dict) -> str | None:
         if getattr(obj, "sharded", False) or getattr(obj, "per_rank", False):
             continue
         where = f"{Path(path) / INFO}'s {name}"
-        if name not in info:  # an object may say what else leaves its entry out (`absent`)
-            why = getattr(obj, "absent", "written by an older hpctrain")
-            return f"{Path(path) / INFO} holds no {name} state ({why})"
+        if name not in info:
+            if getattr(obj, "optional", False):  # a run that did not have it wrote this: the object starts afresh
+                continue
+            return f"{Path(path) / INFO} holds no {name} state (written by an older hpctrain)"
         saved, reads = info[name], getattr(obj, "reads", None)
         if reads is not None and isinstance(saved, dict):  # the object loads these keys and ignores the rest
             saved = {k: v for k, v in saved.items() if k in reads}

@@ -40,10 +40,10 @@ class LossScaler:
     `agree` with the norm, and `update` once per step, every rank alike. Checkpointed as plain JSON
     ("scaler" in hpctrain.json): the scale, GradScaler's count of clean steps, and the run's overflows."""
 
-    # What a checkpoint without a "scaler" entry is (hpctrain.checkpoint.validate.plain_problems says it).
-    absent = ("written by a run without train.precision=fp16, or by an older hpctrain: the loss scale to go on "
-              "with is unknown. Fix: resume with the train.precision it was written with, or export it (python -m "
-              "hpctrain.checkpoint export) and start a new run.dir from its weights with model.init_from")
+    # A checkpoint without a "scaler" entry was written by a run without fp16 (bf16 moved to V100s, say): the
+    # scale starts afresh from train.fp16.init_scale, as a new run's does (hpctrain.checkpoint.validate). The
+    # entry is one key of hpctrain.json, which is written whole or not at all: its absence is not damage.
+    optional = True
 
     def __init__(self, device: torch.device, init_scale: float, growth_interval: int):
         self.device = device
