@@ -180,6 +180,14 @@ def apply_float8(model: nn.Module, spec: EngineSpec, device: torch.device) -> Fl
         import torchao.prototype.moe_training.config  # noqa: F401
     recipe = spec.fp8_recipe
     emulate = emulated(device)
+    if not emulate:  # the login node checked cluster.compute_capability; this is the GPU the rank really has
+        need = (10, 0) if recipe == "mxfp8" else (8, 9)
+        have = torch.cuda.get_device_capability(device)
+        if have < need:
+            raise ValueError(f"train.precision=fp8 (train.fp8.recipe={recipe}) on {torch.cuda.get_device_name(device)}, "
+                             f"compute capability {have[0]}.{have[1]}: its float8 GEMMs need {need[0]}.{need[1]} or "
+                             "more. Fix: train.precision=bf16 (and cluster.compute_capability set to the GPUs', so "
+                             "that the login node says so)")
     linears, kept = choose(model, spec.layout.tp, ALIGN.get(recipe, ALIGN_DEFAULT))
     report = Float8Report(recipe, emulate, linears, [], kept)
     chosen = set(linears)
