@@ -10,12 +10,11 @@ rule here: whether a layout fits is the planner's (hpctrain.plan.memory). No tor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Iterator
 
 from hpctrain.core.schema import Fp16Config, Fp8Config
 from hpctrain.core.shape import moe_layer
-from hpctrain.core.spec import EngineSpec, Layout
+from hpctrain.core.spec import EngineSpec, Layout, installed
 
 RULES: list[Callable[[EngineSpec], Iterator["Problem"]]] = []
 
@@ -250,15 +249,6 @@ def engine(spec: EngineSpec):
         yield Problem("grad_sync with pp", "parallel.grad_sync=microbatch does not apply with pipelining: torch's "
                                            "pipeline stages reduce gradients after a step's last backward. "
                                            "Fix: parallel.grad_sync=auto")
-
-
-@lru_cache(maxsize=None)
-def installed(package: str) -> bool:
-    """Whether `package` can be imported, found without importing it (the login node imports no torch);
-    cached: the planner asks for thousands of layouts."""
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
 
 
 # The CUDA compute capability each precision needs (bf16 tensor cores from Ampere, FP8 from Ada/Hopper,

@@ -279,8 +279,6 @@ class EngineSpec:
             return k
         if self.loss != "chunked" or self.device != "cuda" or self.layout.tp > 1:
             return "torch"
-        from hpctrain.core.rules import installed
-
         return "liger" if installed("liger_kernel") else "torch"
 
     @property
@@ -317,6 +315,15 @@ class EngineSpec:
 
 
 # ------------------------------------------------------------------------------------- the rules
+
+@lru_cache(maxsize=None)
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it (the login node imports no torch);
+    cached: the planner asks for thousands of layouts."""
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
 
 def ranks_per_node(cluster: ClusterConfig) -> int:
     """One rank per GPU where nodes have GPUs, else cluster.tasks_per_node."""

@@ -403,9 +403,10 @@ def activations(job: Job, stage: int) -> dict:
     else:
         layer = dense
     per_mb = ckpt * layer_input_bytes(m, tokens, lay.tp, pr, sp, stream) + (layers - ckpt) * layer
-    if job.last(stage):  # final norm input (sequence-parallel) and the gathered output-layer input
-        per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream
-                                    + (1 / lay.tp if regather and sp else 1) * BYTES[pr])
+    if job.last(stage):  # final norm input (sequence-parallel) and, under train.loss=full, the gathered
+        # output-layer input (the chunked loss keeps none: its gradients are made in the forward, loss_buffers)
+        head_input = 0.0 if job.spec.loss == "chunked" else (1 / lay.tp if regather and sp else 1) * BYTES[pr]
+        per_mb += tokens * m.dim * ((1 / lay.tp if sp else 1) * stream + head_input)
     held = in_flight(job.spec.schedule, lay.pp, job.microbatches, job.spec.virtual_stages, stage)
     return {"activations": held * per_mb, "recompute": max(full if ckpt else 0.0, rerun)}
 
