@@ -77,7 +77,7 @@ FP8_FITTED = ("FP8_EFFICIENCY", "ROWWISE_RATE")
 @contextmanager
 def fp8_constants(efficiency: float, rowwise: float):
     """The planner priced with these FP8 constants (hpctrain.plan.throughput's module constants, which
-    every cluster without a cluster.fp8_efficiency of its own takes), restored afterwards."""
+    every cluster takes), restored afterwards."""
     old = (plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE)
     plan_throughput.FP8_EFFICIENCY, plan_throughput.ROWWISE_RATE = efficiency, rowwise
     try:

@@ -21,8 +21,9 @@ mlp, moe_act and norm are Megatron's "output-discarding" checkpoints: the recomp
 keeps only what it needs anyway, and every saved copy of the tensor (the consumers' saved inputs, views of
 it) is replaced by a note, through a saved-tensor hook, that reruns the producer on the first unpack in
 backward and keeps the result until the last consumer has taken it. A block's notes are open while the
-block runs forward; the hooks are entered again around wo and w2, inside the modules sequence-parallel
-re-gathering hooks (hpctrain.parallel.regather), whose hooks would otherwise stand in front.
+block runs forward; the hooks are entered again around wo and w2, so that they, and not a saved-tensor hook
+context entered in between (the sequence-parallel re-gather's on the attention and feed-forward modules,
+hpctrain.parallel.regather), are the innermost for what those two layers save.
 """
 from __future__ import annotations
 

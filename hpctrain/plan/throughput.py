@@ -61,8 +61,8 @@ ADAM_BYTES = {"bf16": 30, "fp32": 28, "fp16": 30, "fp8": 30}
 BUBBLE_DIVISOR = {"gpipe": 1.0, "1f1b": 1.0, "zero_bubble": 3.0, "zbv": 6.0, "dualpipev": 6.0}
 # FP8 (train.precision=fp8, torchao's Float8Linear on the blocks' linears wq wk wv wo w1 w2 w3; the output
 # layer, routers, experts and attention stay bf16). Its GEMMs run at cluster.fp8_tflops x FP8_EFFICIENCY
-# (the share of the FP8 peak a large FP8 GEMM sustains; cluster.fp8_efficiency where the cluster names
-# one), fitted with ROWWISE_RATE on torchao's Llama 3 8B table (benchmarks/calibration, docs/
+# (the share of the FP8 peak a large FP8 GEMM sustains, one figure for every GPU kind: only H100 rows are
+# published to fit it on), fitted with ROWWISE_RATE on torchao's Llama 3 8B table (benchmarks/calibration, docs/
 # published_runs.md). ROWWISE_RATE: a rowwise-scaled GEMM's speed relative to a tensorwise one (CUTLASS
 # kernels with a scale per row and column against cuBLAS's per-tensor scale).
 FP8_EFFICIENCY = 0.364
@@ -190,9 +190,9 @@ class Hardware:
 
 
 def fp8_efficiency(c: ClusterConfig) -> float:
-    """Share of cluster.fp8_tflops a large FP8 GEMM sustains: the cluster's fitted figure where it has
-    one (cluster.fp8_efficiency), else FP8_EFFICIENCY."""
-    return float(getattr(c, "fp8_efficiency", 0.0) or FP8_EFFICIENCY)
+    """Share of cluster.fp8_tflops a large FP8 GEMM sustains: FP8_EFFICIENCY (read when called, so that the
+    calibration's fit can set it)."""
+    return FP8_EFFICIENCY
 
 
 def fp8_linear(job: Job, hw: Hardware, t: float, k: float, n: float, fused: bool) -> tuple[float, float]:
