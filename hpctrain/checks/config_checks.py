@@ -171,6 +171,9 @@ RANGES: dict[str, Range] = {
     "optim.grad_clip": Range(why="0: no clipping"),
     "train.z_loss_coef": Range(why="0: off; a negative one rewards a large softmax normaliser"),
     "train.fp16.init_scale": Range(**ABOVE_0, why="the loss is multiplied by it before backward"),
+    "train.dpo.beta": Range(**ABOVE_0, why="the rewards are beta x log(policy / reference); IPO divides by it"),
+    "train.dpo.label_smoothing": Range(high=0.5, why="the share of pairs taken as mislabelled: at 0.5 the loss "
+                                                     "no longer tells chosen from rejected"),
     "data.sources[].weight": Range(**ABOVE_0, why="a source's share of the stream", fix="a weight above 0, or drop "
                                                                                           "the source"),
     "launcher.hang_timeout_s": Range(why="0: max(60 s, 10x the median step)"),

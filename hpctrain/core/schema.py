@@ -52,6 +52,11 @@ Router = _choice("Router", "softmax sigmoid")
 CPAttention = _choice("CPAttention", "allgather ring")
 CPKernel = _choice("CPKernel", "auto torch hpctrain")
 NonFinite = _choice("NonFinite", "stop skip")
+Objective = _choice("Objective", "lm dpo")
+PreferenceLoss = _choice("PreferenceLoss", "sigmoid ipo")
+Reference = _choice("Reference", "auto base copy")
+BaseQuant = _choice("BaseQuant", "none nf4")
+CheckpointWeights = _choice("CheckpointWeights", "auto full adapters")
 
 
 @dataclass
@@ -119,6 +124,11 @@ class LoRAConfig:
     o_proj, gate_proj, up_proj, down_proj); the experts of MoE layers have none."""
     init_from: Optional[str] = None
     """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to continue from."""
+    quantize: BaseQuant = BaseQuant("none")
+    """How the frozen base is stored. none: in the compute precision (bf16 under train.precision=bf16);
+    nf4: QLoRA (Dettmers et al. 2023, arXiv:2305.14314): torchao's 4-bit NormalFloat, about 0.5 byte per
+    weight plus its scales, dequantised block by block in the forward; the adapters train in
+    train.precision."""
 
 
 @dataclass
@@ -353,6 +363,24 @@ class Fp16Config:
 
 
 @dataclass
+class DpoConfig:
+    """train.objective=dpo: preference tuning on prompt / chosen / rejected pairs (docs/finetune.md)."""
+
+    loss: PreferenceLoss = PreferenceLoss("sigmoid")
+    """sigmoid: DPO (Rafailov et al. 2023, arXiv:2305.18290), -log sigmoid(beta x margin); ipo: IPO
+    (Azar et al. 2023, arXiv:2310.12036), (margin - 1 / (2 beta))^2 on log-probabilities averaged per
+    completion token (TRL's form)."""
+    beta: float = 0.1
+    """How far the policy may move from the reference: the rewards are beta x log(policy / reference)."""
+    label_smoothing: float = 0.0
+    """sigmoid only: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
+    reference: Reference = Reference("auto")
+    """Where the reference log-probabilities come from. base: the same model with the adapters switched
+    off (LoRA only: no second model); copy: a frozen copy of the starting weights, sharded like the
+    policy; auto: base under LoRA, else copy."""
+
+
+@dataclass
 class TrainConfig:
     """The training loop: steps, batch sizes, precision."""
 
@@ -373,6 +401,11 @@ class TrainConfig:
     """train.precision=fp8: the scaling recipe and the float8 all-gather."""
     fp16: Fp16Config = field(default_factory=Fp16Config)
     """train.precision=fp16: the loss scaler."""
+    objective: Objective = Objective("lm")
+    """lm: next-token cross-entropy (pretraining, SFT); dpo: preference tuning on pairs from
+    `prepare --format preference` (train.dpo), train.global_batch and train.micro_batch counting pairs."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """train.objective=dpo: the loss, beta and the reference."""
     loss: LossImpl = LossImpl("chunked")
     """chunked: the output layer and the cross-entropy computed train.loss_chunk tokens at a time, each
     chunk's gradient made at once and its logits dropped, so the whole logits never exist (as Liger's
@@ -435,6 +468,11 @@ class CheckpointConfig:
     """Resume from this step instead of the newest."""
     threads: int = 8
     """Writer threads per rank: one is far from the disk's bandwidth."""
+    weights: CheckpointWeights = CheckpointWeights("auto")
+    """Which weights a checkpoint holds. full: every weight; adapters (LoRA): the adapters only, the
+    frozen base re-read from model.init_from on resume and export (checked to be the same base);
+    auto: adapters under LoRA with model.init_from, else full. Optimizer state, data position and RNG
+    are in both."""
 
 
 @dataclass
