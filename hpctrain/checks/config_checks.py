@@ -386,6 +386,36 @@ def _chat_windows(cfg: Config):
                    f"Fix: data.seq_len={window}, or prepare again with --seq-len {d.seq_len}")
 
 
+@_check
+def _preference_data(cfg: Config):
+    """train.objective=dpo reads preference pairs (prepare --format preference), and only it does."""
+    from hpctrain.data.shards import read_meta
+
+    d, dpo = cfg.data, str(cfg.train.objective) == "dpo"
+    prepare = "python -m hpctrain.data.prepare <pairs.jsonl> <out dir> --tokenizer <tokenizer.json> " \
+              f"--format preference --seq-len {d.seq_len}"
+    if d.source != "shards":
+        if dpo:
+            yield (f"train.objective=dpo with data.source={d.source}: DPO trains on prompt / chosen / rejected "
+                   f"pairs, which synthetic data has none of. Fix: data=shards data.path=<{prepare}>")
+        return
+    if dpo and d.sources:
+        yield ("train.objective=dpo with data.sources (a mixture): mixtures draw single samples, not pairs. Fix: "
+               "one directory of preference shards in data.path")
+        return
+    for path in [s.path for s in d.sources] or [d.path]:
+        meta = (read_meta(path) if path and path != "???" else None)
+        if meta is None:
+            continue  # _data says what is wrong with the directory
+        pairs = bool(meta.get("pairs"))
+        if dpo and not pairs:
+            yield (f"train.objective=dpo but data.path={path} holds {meta.get('records', 'text')} records, not "
+                   f"preference pairs. Fix: prepare pairs: {prepare}")
+        elif pairs and not dpo:
+            yield (f"data.path={path} holds preference pairs (chosen and rejected), which train.objective="
+                   f"{cfg.train.objective} would train on alike. Fix: train.objective=dpo")
+
+
 def advice(cfg: Config) -> list[str]:
     """What the login node warns about without refusing: the run can start, but probably not as meant."""
     from hpctrain.data.shards import read_meta

@@ -9,7 +9,7 @@ rule here: whether a layout fits is the planner's (hpctrain.plan.memory). No tor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from hpctrain.core.schema import Fp16Config, Fp8Config
@@ -348,6 +348,43 @@ def loss(spec: EngineSpec):
 
 
 @rule
+def dpo(spec: EngineSpec):
+    """train.objective=dpo where it is implemented: one rank, FSDP2, DDP, TP, with or without LoRA; each pair's
+    two sequences whole on one rank in one forward, the head's sums per sequence."""
+    if not spec.dpo:
+        return
+    t, lay = spec.config.train, spec.layout
+    if spec.pipeline:
+        yield Problem("dpo with pp", f"train.objective=dpo with parallel.pp={lay.pp}: the reference's forward would "
+                                     "need a pipeline pass of its own beside the schedule's, which is not "
+                                     "implemented. Fix: parallel.pp=1 (FSDP2 parallel.dp_shard or parallel.tp)")
+    if lay.cp > 1:
+        yield Problem("dpo with cp", f"train.objective=dpo with parallel.cp={lay.cp}: a sequence's log-probability "
+                                     "would be split over the context-parallel ranks, which is not implemented. "
+                                     "Fix: parallel.cp=1 (preference sequences are short: data.seq_len per window)")
+    if spec.model.moe.experts:
+        yield Problem("dpo with moe", f"train.objective=dpo with model.moe.experts={spec.model.moe.experts}: the "
+                                      "reference's forward would add to the routers' statistics and balancing "
+                                      "losses, which is not handled. Fix: a dense model (model.moe.experts=0)")
+    if t.z_loss_coef:
+        yield Problem("dpo with z_loss", f"train.z_loss_coef={t.z_loss_coef} with train.objective=dpo: the z-loss "
+                                         "is a term of the token loss, not of the preference loss. "
+                                         "Fix: train.z_loss_coef=0")
+    if str(t.loss_kernel) == "liger":
+        yield Problem("dpo with liger", "train.loss_kernel=liger with train.objective=dpo: Liger's kernel sums the "
+                                        "micro-batch, DPO needs each sequence's sum. Fix: train.loss_kernel=auto")
+    if str(t.dpo.reference) == "base" and not spec.lora:
+        yield Problem("dpo reference=base without lora",
+                      "train.dpo.reference=base without LoRA (model.lora.rank=0): the base is the policy being "
+                      "trained, not a fixed reference. Fix: train.dpo.reference=copy (or auto), or model.lora.rank>0")
+    if str(t.dpo.loss) == "ipo" and t.dpo.label_smoothing:
+        yield Problem("ipo with label_smoothing",
+                      f"train.dpo.label_smoothing={t.dpo.label_smoothing} with train.dpo.loss=ipo: label smoothing "
+                      "is conservative DPO's (sigmoid), IPO has none. Fix: train.dpo.label_smoothing=0, or "
+                      "train.dpo.loss=sigmoid")
+
+
+@rule
 def recompute(spec: EngineSpec):
     """parallel.ac_modules: modules the blocks have, in blocks parallel.ac does not already recompute whole."""
     mods = spec.ac_modules
@@ -384,3 +421,107 @@ def recompute(spec: EngineSpec):
 
 def all_moe(model) -> bool:
     return all(moe_layer(model, i) for i in range(model.n_layers))
+
+
+@rule
+def checkpoint_weights(spec: EngineSpec):
+    """checkpoint.weights=adapters: adapters to save, and a base to re-read on resume and export."""
+    cfg = spec.config
+    if str(cfg.checkpoint.weights) != "adapters":
+        return
+    if not spec.lora:
+        yield Problem("adapter checkpoints without lora", "checkpoint.weights=adapters with model.lora.rank=0: every "
+                                                          "weight is trained, there are no adapters to save apart. "
+                                                          "Fix: checkpoint.weights=auto (or full), or model.lora.rank=16 "
+                                                          "to train adapters")
+    elif not cfg.model.init_from:
+        # The base could be made again from train.seed, but nothing outside this code version would vouch for
+        # it, and a LoRA of a random base is not a model anyone keeps: the base must be a directory to re-read.
+        yield Problem("adapter checkpoints without a base", "checkpoint.weights=adapters without model.init_from: "
+                                                            "the frozen base is this run's random initialisation, "
+                                                            "which a checkpoint of the adapters alone could not be "
+                                                            "resumed or exported with. Fix: model.init_from=<the "
+                                                            "base's Hugging Face directory>, or checkpoint.weights=auto "
+                                                            "(every weight saved)")
+
+
+# torchao's to_nf4 defaults (hpctrain.parallel.quantize uses them): weights per absmax scale, scales per
+# second-level (8-bit) scale block; a weight's size must be a multiple of their product.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_TENSOR = NF4_BLOCK * NF4_SCALER_BLOCK
+
+
+def nf4_problem(rows: int, cols: int, shards: int = 1) -> str | None:
+    """Why a rows x cols weight cut into `shards` row blocks by FSDP2 cannot be NF4 (None: it can): torchao
+    quantises a multiple of 64 x 256 weights, and FSDP2 cuts NF4 only between those blocks, unpadded."""
+    n = rows * cols
+    if n % NF4_TENSOR:
+        return f"{rows} x {cols} = {n} weights, not a multiple of {NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_TENSOR}"
+    if shards > 1 and (rows % shards or (n // shards) % NF4_TENSOR):
+        return (f"{rows} x {cols} in {shards} FSDP2 shards of rows: {n // shards} weights a shard, not a multiple "
+                f"of {NF4_TENSOR}")
+    return None
+
+
+@rule
+def qlora(spec: EngineSpec):
+    """model.lora.quantize=nf4 where it is implemented: adapters on a base of torchao NF4 weights, under one rank,
+    DDP, FSDP2 or TP, in bf16 or fp32, checkpoints of the adapters with the base re-read from model.init_from."""
+    from hpctrain.core.flops import lora_linears
+
+    cfg, lay = spec.config, spec.layout
+    if str(cfg.model.lora.quantize) != "nf4":
+        return
+    if not spec.lora:
+        yield Problem("nf4 without lora", "model.lora.quantize=nf4 with model.lora.rank=0: only a frozen base is "
+                                          "quantised, and full training has none. Fix: model.lora.rank=16 (QLoRA), or "
+                                          "model.lora.quantize=none")
+        return
+    if not installed("torchao"):
+        yield Problem("nf4 without torchao", "model.lora.quantize=nf4 needs torchao (its NF4Tensor), which is not "
+                                             "installed. Fix: pip install 'hpctrain[fp8]' (torchao 0.18), or "
+                                             "model.lora.quantize=none")
+    if spec.precision in ("fp16", "fp8"):
+        yield Problem(f"nf4 with {spec.precision}", f"model.lora.quantize=nf4 with train.precision={spec.precision}: "
+                                                    "the NF4 base is dequantised to bf16 or fp32 for its products "
+                                                    f"({spec.precision} with NF4 is not implemented). Fix: "
+                                                    "train.precision=bf16")
+    if spec.offload != "none":
+        yield Problem("nf4 with offload", f"model.lora.quantize=nf4 with offload={spec.offload}: FSDP2's host "
+                                          "offload does not move torchao's NF4 weights, and the adapters' optimizer "
+                                          "state is small (offload buys nothing). Fix: offload=none")
+    if spec.pipeline:
+        yield Problem("nf4 with pp", f"model.lora.quantize=nf4 with parallel.pp={lay.pp}: not implemented. Fix: "
+                                     "parallel.pp=1 (the 4-bit base fits where pipelines were needed: FSDP2 "
+                                     "parallel.dp_shard)")
+    if spec.compile:
+        yield Problem("nf4 with compile", "model.lora.quantize=nf4 with train.compile=true: torch.compile of the "
+                                          "NF4 weights' dequantisation is not implemented. Fix: train.compile=false")
+    shards = spec.sharding.group if spec.data_parallel == "fsdp" else 1
+    if spec.data_parallel in ("replicate", "replicate_zero1"):
+        yield Problem("nf4 with replicate", f"model.lora.quantize=nf4 with parallel.zero={spec.zero} over data "
+                                            f"parallel {lay.dp} x tp {lay.tp}: FSDP2's replicate of NF4 weights is not "
+                                            "implemented. Fix: parallel.zero=3 with parallel.tp=1 (FSDP2), or "
+                                            "parallel.dp_shard=1 with parallel.tp")
+    elif shards > 1 and lay.tp > 1:
+        # torchtune's QLoRA refuses the same (NF4 under FSDP2 on a 1-D mesh only)
+        yield Problem("nf4 with fsdp x tp", f"model.lora.quantize=nf4 with FSDP2 over {shards} ranks x parallel.tp="
+                                            f"{lay.tp}: NF4 weights sharded on a 2-D mesh are not implemented. Fix: "
+                                            "parallel.tp=1 (FSDP2 alone), or parallel.dp_shard=1 with parallel.tp")
+    m = spec.model
+    for t in spec.lora.targets:
+        one = replace(m, lora=replace(m.lora, targets=[t]))
+        why = next((w for i, o, _ in lora_linears(one, lay.tp) if (w := nf4_problem(int(o), int(i), shards))), None)
+        if why:
+            tp = f" (a parallel.tp={lay.tp} shard)" if lay.tp > 1 else ""
+            yield Problem("nf4 block size", f"model.lora.quantize=nf4: the adapted layer {t}'s weight{tp} is {why}. "
+                                            f"Fix: leave {t} out of model.lora.targets, change parallel.dp_shard or "
+                                            "parallel.tp, or model.lora.quantize=none")
+            break
+    if spec.checkpoint_weights == "full":
+        yield Problem("nf4 with full checkpoints",
+                      f"model.lora.quantize=nf4 with checkpoint.weights={cfg.checkpoint.weights}"
+                      f"{'' if cfg.model.init_from else ' and no model.init_from'}: a QLoRA run's checkpoints hold the "
+                      "adapters alone and re-read the base from model.init_from (torch's checkpoint cannot write "
+                      "torchao's NF4 weights). Fix: model.init_from=<the base's Hugging Face directory>, and "
+                      "checkpoint.weights=auto or adapters")

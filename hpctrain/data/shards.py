@@ -217,7 +217,17 @@ class ShardDataset:
         if "max_token_id" in meta:  # recorded by prepare (and range-checked by problems()): no shard to read
             self._refuse_id(meta["max_token_id"], f"{Path(path) / META} (max_token_id)")
             self.ids_checked = set(range(len(self.shards)))
-        counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        # Preference shards (prepare --format preference): item j is pair j, its two sequences (chosen, then
+        # rejected) each in a window of its own, `stride` tokens apart (window + 1: windows that do not
+        # overlap; a directory may say otherwise in meta.json), a window's tail past its shard padding.
+        self.pairs = bool(meta.get("pairs"))
+        self.stride = int(meta.get("stride", seq_len + 1))
+        self.pad_id = int(meta.get("eos_id", 0) or 0)
+        if self.pairs:
+            lead = seq_len + 1 - self.stride  # the tokens a window shares with the next one's start
+            counts = [max(0, -(-(len(s) - lead) // (2 * self.stride))) for s in self.shards]
+        else:
+            counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.starts = np.cumsum([0] + counts).tolist()
         if self.starts[-1] == 0:
             raise ValueError(f"the {split} split of {path} holds no shard of {seq_len + 1} tokens: "
@@ -227,13 +237,25 @@ class ShardDataset:
         return self.starts[-1]
 
     def __getitem__(self, index: int) -> np.ndarray:
+        """seq_len + 1 ids; a pair (self.pairs) as (2, seq_len + 1): chosen, rejected."""
         k, off = self._locate(index)
+        if self.pairs:
+            return self._pair(self.shards[k], off, self.pad_id, np.int64)
         return np.asarray(self.shards[k][off: off + self.seq_len + 1], dtype=np.int64)
 
     def loss_mask(self, index: int) -> np.ndarray:
         """Sample `index`'s loss mask (1: the token is trained as a target), aligned with its tokens."""
         k, off = self._locate(index)
+        if self.pairs:
+            return self._pair(self.masks[k], off, 0, np.uint8)
         return np.asarray(self.masks[k][off: off + self.seq_len + 1], dtype=np.uint8)
+
+    def _pair(self, data, off: int, pad: int, dtype) -> np.ndarray:
+        out = np.full((2, self.seq_len + 1), pad, dtype=dtype)
+        for i in range(2):
+            part = data[off + i * self.stride: off + i * self.stride + self.seq_len + 1]
+            out[i, :len(part)] = part
+        return out
 
     def _locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
@@ -241,7 +263,7 @@ class ShardDataset:
         k = bisect.bisect_right(self.starts, index) - 1
         if k not in self.ids_checked:
             self._check_ids(k)
-        return k, (index - self.starts[k]) * self.seq_len
+        return k, (index - self.starts[k]) * (2 * self.stride if self.pairs else self.seq_len)
 
     def _check_ids(self, k: int) -> None:
         """Shard k's ids are below the limit: one pass over the file, once per process (a shard from

@@ -15,6 +15,13 @@ asked), computed one of two ways:
 - full (train.loss=full): the logits, then torch's cross-entropy: the reference the chunked path is
   tested against.
 
+Preference tuning (train.objective=dpo) needs each sequence's own sum (its completion's log-probability,
+negated), not the micro-batch's: with `per_row` set the head returns one summed loss per row of `targets`,
+and the incoming gradient is one factor per row. Those factors are not known in forward (a pair's loss needs
+both of its rows' sums and the reference's), so the chunked path then makes no gradients in forward: it keeps
+the hidden states and each token's log-sum-exp, and backward makes each chunk's logits again (one GEMM more
+than the scalar path, still no whole logits, and no collective: the log-sum-exp is the whole vocabulary's).
+
 Under tensor parallel the weight is split over the vocabulary (hpctrain.parallel.tensor.LossParallel):
 each rank computes its slice of every chunk's logits and the ranks agree on each token's log-sum-exp
 and target logit with two all-reduces per chunk (Megatron's vocabulary-parallel cross-entropy, done per
@@ -44,10 +51,15 @@ class OutputHead(nn.Linear):
         super().__init__(dim, vocab, bias=False)
         # How the loss is computed (set from the run's config: set_loss).
         self.impl, self.chunk, self.z_loss, self.kernel = "chunked", 0, 0.0, "torch"
+        self.per_row = False  # train.objective=dpo: one summed loss per row of targets (set_loss)
 
     def forward(self, h: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         if targets is None:
             return F.linear(h, self.weight)
+        if self.per_row:  # z-loss and Liger are refused with dpo on the login node (hpctrain.core.rules)
+            if self.impl == "full":
+                return full_row_losses(F.linear(h, self.weight), targets)
+            return chunked_row_losses(h, self.weight, targets, self.chunk)
         if self.impl == "full":
             return full_loss(F.linear(h, self.weight), targets, self.z_loss)
         if self.kernel == "liger":
@@ -55,12 +67,13 @@ class OutputHead(nn.Linear):
         return chunked_loss(h, self.weight, targets, self.chunk, self.z_loss)
 
 
-def set_loss(model: nn.Module, impl: str, chunk: int = 0, z_loss: float = 0.0, kernel: str = "torch") -> None:
-    """How `model`'s output head computes the loss: train.loss, train.loss_chunk, train.z_loss_coef and the
-    resolved train.loss_kernel (spec.loss_kernel)."""
+def set_loss(model: nn.Module, impl: str, chunk: int = 0, z_loss: float = 0.0, kernel: str = "torch",
+             per_row: bool = False) -> None:
+    """How `model`'s output head computes the loss: train.loss, train.loss_chunk, train.z_loss_coef, the
+    resolved train.loss_kernel (spec.loss_kernel), and per_row (train.objective=dpo: a sum per sequence)."""
     for m in model.modules():
         if isinstance(m, OutputHead):
-            m.impl, m.chunk, m.z_loss, m.kernel = impl, chunk, z_loss, kernel
+            m.impl, m.chunk, m.z_loss, m.kernel, m.per_row = impl, chunk, z_loss, kernel, per_row
 
 
 def liger_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
@@ -86,6 +99,35 @@ def full_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) 
             lse, loss = lse.full_tensor(), loss.full_tensor()
         loss = loss + z_loss * (lse.pow(2) * (targets != IGNORE)).sum()
     return loss
+
+
+def full_row_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed cross-entropy of its trained tokens (fp32), shape (rows,): the whole logits at once
+    (under tensor parallel split over the vocabulary, in loss_parallel; returned as a plain tensor)."""
+    rows = targets.shape[0]
+    token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none")
+    if hasattr(token, "full_tensor"):
+        token = token.full_tensor()
+    return token.view(rows, -1).sum(dim=1)
+
+
+def chunked_row_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """full_row_losses(h @ weight.T, targets) without the whole logits, `chunk` tokens at a time; the same
+    arguments as chunked_loss (tensor parallel included)."""
+    group, start = None, 0
+    if hasattr(weight, "to_local"):
+        from torch.distributed.tensor import Partial
+
+        mesh = weight.device_mesh
+        group = mesh.get_group()
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        h = h.to_local(grad_placements=[Partial()]) if hasattr(h, "to_local") else h
+        weight = local
+    rows = targets.shape[0]
+    flat_h, flat_t = h.flatten(0, -2), targets.flatten()
+    size = loss_chunk_tokens(flat_h.shape[0], weight.shape[0], weight.shape[1], chunk)
+    return _ChunkedRowCrossEntropy.apply(flat_h, weight, flat_t, size, group, start, rows)
 
 
 def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 0,
@@ -186,6 +228,71 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if gw is not None:
             gw = gw.mul_(grad_out).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None, None
+
+
+class _ChunkedRowCrossEntropy(torch.autograd.Function):
+    """(h (n, dim), weight (vocab slice, dim), targets (n,)) -> each row's summed loss (rows,), the n tokens
+    being `rows` rows of equal length. Forward keeps h and each token's log-sum-exp; backward scales each
+    token's gradient by its row's incoming factor, making the chunk's logits again (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk: int, group, start: int, rows: int):
+        acc = torch.promote_types(h.dtype, torch.float32)
+        row_of = torch.arange(h.shape[0], device=h.device) // (h.shape[0] // rows)
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(h.dtype)
+            vocab = w.shape[0]
+            total = torch.zeros(rows, dtype=acc, device=h.device)
+            lse_all = torch.empty(h.shape[0], dtype=acc, device=h.device)
+            for s in range(0, h.shape[0], chunk):
+                tc = targets[s:s + chunk]
+                logits = (h[s:s + chunk] @ w.t()).to(acc)
+                keep = tc != IGNORE
+                local_t = tc - start
+                owned = keep & (local_t >= 0) & (local_t < vocab)
+                picked = logits.gather(1, local_t.clamp(0, vocab - 1)[:, None]).squeeze(1) * owned
+                top = logits.amax(dim=-1)
+                if group is not None:
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+                sums = torch.stack((logits.sub_(top[:, None]).exp_().sum(dim=-1), picked))
+                if group is not None:
+                    dist.all_reduce(sums, group=group)
+                lse = top + sums[0].log()
+                lse_all[s:s + chunk] = lse
+                total.index_add_(0, row_of[s:s + chunk], (lse - sums[1]) * keep)
+                del logits
+        ctx.save_for_backward(h, weight, targets, lse_all, row_of)
+        ctx.chunk, ctx.start = chunk, start
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, targets, lse_all, row_of = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = lse_all.dtype
+        factor = grad_out.to(acc)[row_of]  # each token's share of its row's incoming gradient
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if want_w else None
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(h.dtype)
+            vocab = w.shape[0]
+            for s in range(0, h.shape[0], ctx.chunk):
+                hc, tc = h[s:s + ctx.chunk], targets[s:s + ctx.chunk]
+                keep = tc != IGNORE
+                local_t = tc - ctx.start
+                owned = keep & (local_t >= 0) & (local_t < vocab)
+                f = factor[s:s + ctx.chunk] * keep
+                # d loss / d logit_j = (softmax_j - [j is the target]) x the row's factor
+                g = (hc @ w.t()).to(acc).sub_(lse_all[s:s + ctx.chunk, None]).exp_().mul_(f[:, None])
+                rows = owned.nonzero().squeeze(1)
+                g[rows, local_t[rows]] -= f[rows]
+                g = g.to(h.dtype)
+                if want_h:
+                    torch.mm(g, w, out=grad_h[s:s + ctx.chunk])
+                if want_w:
+                    grad_w += (g.t() @ hc).to(acc)
+                del g
+        return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None, None, None, None
 
 
 def _graph_kept() -> bool:

@@ -49,7 +49,8 @@ def parallelize(model: nn.Module, meshes, spec: EngineSpec, device: torch.device
                 pin_memory: bool = True) -> Parallelized:
     """`model` must be on the meta device."""
     init = partial(materialize, device=device, seed=seed, init_param_=init_param_)
-    set_loss(model, spec.loss, spec.loss_chunk, spec.config.train.z_loss_coef, spec.loss_kernel)
+    set_loss(model, spec.loss, spec.loss_chunk, spec.config.train.z_loss_coef, spec.loss_kernel,
+             per_row=spec.config.train.objective == "dpo")
     pipe = spec.pipeline
     if pipe:
         ids = pipe.stage_ids(meshes["pp"].get_local_rank())

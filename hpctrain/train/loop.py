@@ -42,6 +42,8 @@ from hpctrain.checkpoint.hf_weights import load_hf
 from hpctrain.parallel.float8 import after_optimizer_step
 from hpctrain.parallel.pipeline import build_schedule, forward_only
 from hpctrain.train.trackers import from_config
+from hpctrain.train import preference
+from hpctrain.models.lora import adapters_disabled
 
 log = logging.getLogger("hpctrain")
 
@@ -108,6 +110,16 @@ class Trainer:
         self.par = parallelize(build_meta(cfg.model, cfg.data.seq_len), self.meshes, self.spec, device, init, seed=cfg.train.seed,
                                pin_memory=bool(cfg.offload.pin_memory))
         self.parts = self.par.parts
+        # train.objective=dpo, reference=copy: the starting weights again, built and sharded as the policy
+        # (the same parallelize, seed and init_from), frozen and never stepped; base needs no second model.
+        self.ref_parts = None
+        if spec.dpo_reference == "copy":
+            ref = parallelize(build_meta(cfg.model, cfg.data.seq_len), self.meshes, self.spec, device, init,
+                              seed=cfg.train.seed, pin_memory=bool(cfg.offload.pin_memory)).parts
+            for part in ref:
+                part.requires_grad_(False)
+                part.eval()
+            self.ref_parts = ref
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(
             self.params, cfg.optim, cfg.train.steps, offload=cfg.offload,
@@ -130,6 +142,8 @@ class Trainer:
                                  self.spec.layout.cp)
         dataset = build_dataset(cfg)
         self.sampler_masked = dataset.has_loss_mask
+        self.rows = 2 if spec.dpo else 1  # sequences per sample: a preference pair is two
+        self.dpo_metrics: dict = {}  # the last step's preference.METRICS
         self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
                                    self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed)
         self.progress = Progress()
@@ -139,7 +153,8 @@ class Trainer:
                        if self.spec.loss_scaling else None)
         self.step_scale: float | None = None  # the loss scale the last step's backward ran with
         state = {
-            "model": ModelState(self.parts),
+            # checkpoint.weights=adapters: the LoRA adapters alone, the frozen base re-read from model.init_from
+            "model": ModelState(self.parts, self.spec.checkpoint_weights == "adapters", cfg.model.init_from),
             "optim": OptimizerState(self.parts, self.optimizer),
             "scheduler": Schedule(self.scheduler, self.optimizer),
             "data": self.sampler,
@@ -174,15 +189,34 @@ class Trainer:
         """Continue from the newest complete checkpoint in the run directory, if there is one; else
         start from model.init_from's weights where given (and model.lora.init_from's adapters)."""
         self.resumed_from = self.ckpt.resume(warn)
+        if self.ref_parts is not None:  # the reference is the start, whatever checkpoint the policy resumes
+            self._load_start(self.ref_parts)
         if self.resumed_from is not None:
-            return
+            if self.ckpt.objects["model"].base_left_out:  # an adapter-only checkpoint: the base, checked the same
+                load_hf(self.parts, self.cfg.model.init_from, self.cfg.model)
+                log.info("frozen base from %s (the checkpoint holds the adapters)", self.cfg.model.init_from)
+            return self._quantize_base()
+        self._load_start(self.parts)
+        self._quantize_base()
+
+    def _quantize_base(self) -> None:
+        """QLoRA (model.lora.quantize=nf4): the frozen base to NF4, once its full-precision weights are loaded
+        (hpctrain.parallel.quantize); the last thing resume does."""
+        if self.spec.lora and self.spec.lora.quantize == "nf4":
+            from hpctrain.parallel.quantize import quantize_base
+
+            self.base_nf4_bytes = quantize_base(self.parts)
+            log.info("base of the adapted layers in NF4: %.1f MiB on this rank", self.base_nf4_bytes / 2**20)
+
+    def _load_start(self, parts) -> None:
+        """model.init_from's weights (and model.lora.init_from's adapters) into `parts`, where given."""
         if self.cfg.model.init_from:
-            load_hf(self.parts, self.cfg.model.init_from, self.cfg.model)
+            load_hf(parts, self.cfg.model.init_from, self.cfg.model)
             log.info("weights from %s", self.cfg.model.init_from)
         if self.spec.lora and self.cfg.model.lora.init_from:
             from hpctrain.checkpoint.peft_format import load_peft
 
-            n = load_peft(self.parts, self.cfg.model.lora.init_from, self.cfg.model)
+            n = load_peft(parts, self.cfg.model.lora.init_from, self.cfg.model)
             log.info("%d adapter tensors from %s", n, self.cfg.model.lora.init_from)
 
     # ------------------------------------------------------------ one step
@@ -256,7 +290,49 @@ class Trainer:
         """A phase of the step whose peak memory profile.memory records; nothing when it is off."""
         return contextlib.nullcontext() if self._memory is None else self._memory.phase(name)
 
+    def _reference_logps(self, x, y, kw) -> torch.Tensor:
+        """Each row's log-probability of its completion under the reference (no gradients)."""
+        with torch.no_grad():
+            if self.ref_parts is not None:
+                return -self.ref_parts[0](x, targets=y, **kw)
+            with adapters_disabled(self.parts[0]):
+                return -self.parts[0](x, targets=y, **kw)
+
+    def _dpo_loss(self, x, y, kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's pairs (rows interleaved chosen/rejected): its part of the step's loss, the mean
+        over the global batch's pairs (data-parallel gradients are averaged over dp: x dp undoes it), and its
+        metric sums (preference.pair_sums)."""
+        d = self.cfg.train.dpo
+        ref = self._reference_logps(x, y, kw)
+        logps = -self.parts[0](x, targets=y, **kw)
+        pairs = preference.pair_losses(logps, ref, (y != IGNORE).sum(dim=-1), str(d.loss), d.beta,
+                                       d.label_smoothing)
+        loss = pairs.sum() * (self.dp_mesh.size() / self.cfg.train.global_batch)
+        return loss, preference.pair_sums(logps, ref, d.beta)
+
+    def _dpo_metrics(self, sums: torch.Tensor) -> dict:
+        """The step's metrics: the micro-batches' and data-parallel ranks' sums over the global batch's pairs."""
+        dist.all_reduce(sums, group=self.meshes.group("data"))
+        return dict(zip(preference.METRICS, (sums / self.cfg.train.global_batch).tolist()))
+
+    def _dpo_forward_backward(self, micro) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device)
+        sums = torch.zeros(len(preference.METRICS), device=self.device)
+        for i, (x, y) in enumerate(micro):
+            x, y, kw = self._on_device(*self.batch(x, y))
+            with self._sync_context(i == len(micro) - 1), self._compute_context():
+                with self._phase("forward"):
+                    loss, s = self._dpo_loss(x, y, kw)
+                with self._phase("backward"):
+                    self._scaled(loss).backward()
+            loss_sum += loss.detach()
+            sums += s
+        self.dpo_metrics = self._dpo_metrics(sums)
+        return self._poisoned(loss_sum)
+
     def _forward_backward(self, micro) -> torch.Tensor:
+        if self.spec.dpo:
+            return self._dpo_forward_backward(micro)
         loss_sum = torch.zeros((), device=self.device)
         self._scale_loss_for(micro, pipelined=False, masked=self.sampler_masked)
         for i, (x, y) in enumerate(micro):
@@ -373,7 +449,7 @@ class Trainer:
             self.routers.after_step(move_biases=self.update == APPLIED)
         self.progress.step += 1
         self.progress.skipped += self.update == SKIPPED
-        self.progress.tokens_seen += self.cfg.train.global_batch * self.cfg.data.seq_len
+        self.progress.tokens_seen += self.cfg.train.global_batch * self.rows * self.cfg.data.seq_len
         return loss, norm
 
     # ------------------------------------------------------------ validation
@@ -401,6 +477,13 @@ class Trainer:
         return total.item() / cfg.eval.batches
 
     def _eval_batch(self, micro) -> torch.Tensor:
+        if self.spec.dpo:  # the preference loss of the batch's pairs (the loop runs under no_grad)
+            loss = torch.zeros((), device=self.device)
+            for x, y in micro:
+                x, y, kw = self._on_device(*self.batch(x, y))
+                with self._compute_context():
+                    loss += self._dpo_loss(x, y, kw)[0].detach()
+            return loss
         # forward_only (pipelines) averages over micro-batches, as a schedule does
         self._scale_loss_for(micro, pipelined=self.schedule is not None,
                              masked=self._val_data.has_loss_mask)
@@ -571,12 +654,14 @@ class Trainer:
         routing = self.routers.metrics()  # a collective over the pipeline stages, likewise
         if not logger:
             return
-        tps = self.cfg.train.global_batch * self.cfg.data.seq_len / dt
+        tps = self.cfg.train.global_batch * self.rows * self.cfg.data.seq_len / dt
+        extra.update(self.dpo_metrics)
         peak = self.cfg.cluster.peak_tflops * 1e12 * dist.get_world_size()
         logger.log(step, loss=loss, grad_norm=norm, lr=lr, tokens_per_s=tps,
                    mfu=tps * self.spec.flops_per_token / peak, mem_bytes=self._mem_bytes(), step_time_s=dt,
                    tokens=self.progress.tokens_seen, **spread, **routing,
-                   **({} if val is None else {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}),
+                   **({} if val is None else {"val_loss": val} if self.spec.dpo else  # a preference loss: no perplexity
+                      {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}),
                    **extra)
         warning = self.stragglers.warning()
         if warning:

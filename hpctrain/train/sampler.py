@@ -1,7 +1,8 @@
 """Which samples each rank reads at each step, and a position that can be saved and restored.
 
 The global stream is a permutation of the dataset per epoch (identity for endless synthetic data).
-Step k consumes samples [k * global_batch, (k + 1) * global_batch) of that stream; data-parallel
+A sample of preference shards is a pair (chosen, rejected): global_batch and micro_batch count pairs, the
+position too. Step k consumes samples [k * global_batch, (k + 1) * global_batch) of that stream; data-parallel
 rank r takes the r-th contiguous slice and splits it into micro-batches. The position is a single
 number, samples consumed, so a checkpoint made with one layout resumes on the same stream in another.
 """
@@ -48,8 +49,12 @@ class StepSampler:
         indices = [self._index(start + i) for i in range(per_rank)]
         t = torch.from_numpy(np.stack([self.ds[i] for i in indices]))
         self.position += self.global_batch
+        # preference pairs (items of 2 rows): rows interleaved [chosen 1, rejected 1, chosen 2, ...], a
+        # micro-batch of m pairs 2m rows, so that no split of the step cuts a pair
+        rows = 2 if t.ndim == 3 else 1
+        t = t.flatten(0, -2)
         y = t[:, 1:]
         if self.ds.has_loss_mask:  # chat data: untrained targets are ignored (-100)
-            mask = torch.from_numpy(np.stack([self.ds.loss_mask(i) for i in indices]))[:, 1:]
+            mask = torch.from_numpy(np.stack([self.ds.loss_mask(i) for i in indices])).flatten(0, -2)[:, 1:]
             y = torch.where(mask.bool(), y, IGNORE)
-        return list(zip(t[:, :-1].split(self.micro_batch), y.split(self.micro_batch)))
+        return list(zip(t[:, :-1].split(rows * self.micro_batch), y.split(rows * self.micro_batch)))
