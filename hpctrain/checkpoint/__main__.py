@@ -10,7 +10,10 @@ fine-tuned model's base's generation config and chat template) that transformers
 loads, streaming one tensor at a time (hpctrain.checkpoint.hf_weights), into a new or empty directory or an
 earlier export, which it replaces whole (hpctrain.core.outdir). Without --format hf: one consolidated
 file with hpctrain's parameter names, safetensors when <file> ends in .safetensors, otherwise
-torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any layout.
+torch.save of a flat {name: tensor} dict. Either way from a checkpoint of any layout. From an adapter-only
+checkpoint (checkpoint.weights=adapters) the frozen base's tensors are read from the model.init_from it
+records, or from --base DIR where the base moved, checked first to be the base it was trained on
+(hpctrain.checkpoint.base); --format peft writes the adapters alone and reads no base.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.safe import DamagedCheckpoint, SafeReader, check_files, read_metadata
-from hpctrain.checkpoint.hf_weights import export_hf
+from hpctrain.checkpoint.hf_weights import ModelTensors, export_hf
 from hpctrain.checkpoint.validate import read_info
 from hpctrain.core import hf_format as hf
 from hpctrain.core.compose import ConfigError
@@ -58,7 +61,7 @@ def single_file_problem(out: Path) -> str | None:
     return None
 
 
-def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
+def export(step_dir: Path, out: Path, dtype: str = "keep", base: Path | None = None) -> dict:
     problem = single_file_problem(out)
     if problem:
         raise OutputDirError(problem)
@@ -69,13 +72,17 @@ def export(step_dir: Path, out: Path, dtype: str = "keep") -> dict:
     # Reads every model tensor whole, in one process, without a process group.
     _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
                      planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    flat = {}
-    for k, v in _flatten(state).items():
-        if k.startswith("model."):
-            t = v.detach().contiguous()
-            if dtype != "keep":
-                t = t.to({"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype])
-            flat[k[len("model."):]] = t
+    flat = {k[len("model."):]: v for k, v in _flatten(state).items() if k.startswith("model.")}
+    info = read_info(step_dir)
+    if info.get("weights") == "adapters":  # the frozen base, from model.init_from (or --base), checked
+        export_config_check(step_dir)
+        src = ModelTensors(step_dir, md, info, base)
+        flat.update({n: src.read(n) for n in src.names() if n not in flat})
+    for k, v in flat.items():
+        t = v.detach().contiguous()
+        if dtype != "keep":
+            t = t.to({"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype])
+        flat[k] = t
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside and renamed over: a failed export leaves an earlier one whole.
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -158,6 +165,9 @@ def main(argv=None) -> int:
                         "a LoRA run's adapters merged into the weights; peft: a LoRA run's adapters as a PEFT "
                         "adapter directory (default: %(default)s)")
     e.add_argument("--shard-gb", type=float, default=5.0, help="with --format hf: the largest safetensors file, GB (default: %(default)s)")
+    e.add_argument("--base", type=Path, default=None,
+                   help="an adapter-only checkpoint's (checkpoint.weights=adapters) base model, where it is no longer "
+                        "at the model.init_from it records; checked to be the same weights (default: that path)")
     ls = sub.add_parser("list", help="complete checkpoints of a run: step, save time, world size, tokens",
                         description="The complete checkpoints of a run, oldest first: step, save time, world "
                         "size and tokens trained on. Exit 1 when there is none.")
@@ -185,11 +195,14 @@ def main(argv=None) -> int:
     try:
         if args.format != "file":  # both read the run's config from hpctrain.json
             export_config_check(args.step_dir)
+        if args.base is not None and args.format != "peft" and read_info(args.step_dir).get("weights") != "adapters":
+            raise hf.HFError(f"--base {args.base}: {args.step_dir} holds every weight, it reads no base (only an "
+                             "adapter-only checkpoint, checkpoint.weights=adapters, does). Fix: leave --base out")
         if args.format == "peft":
             from hpctrain.checkpoint.peft_format import AdapterError, export_peft
 
             try:
-                config = export_peft(args.step_dir, args.out)
+                config = export_peft(args.step_dir, args.out, args.base)
             except AdapterError as err:
                 raise hf.HFError(str(err)) from None
             print(f"wrote a PEFT LoRA adapter (rank {config['r']}, alpha {config['lora_alpha']:g}, "
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
             return 0
         if args.format == "hf":
             notes: list[str] = []
-            index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9), notes)
+            index = export_hf(args.step_dir, args.out, args.dtype, int(args.shard_gb * 1e9), notes, args.base)
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
             files = sorted(set(index["weight_map"].values()))
@@ -205,7 +218,7 @@ def main(argv=None) -> int:
             print(f"wrote a Hugging Face {arch}: {len(index['weight_map'])} tensors, "
                   f"{index['metadata']['total_size'] / 1e9:.3f} GB in {len(files)} file(s) -> {args.out}")
             return 0
-        flat = export(args.step_dir, args.out, args.dtype)
+        flat = export(args.step_dir, args.out, args.dtype, args.base)
     except (DamagedCheckpoint, OutputDirError, hf.HFError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

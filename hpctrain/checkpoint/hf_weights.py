@@ -27,6 +27,7 @@ not is left out, with a note.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -117,17 +118,90 @@ def _plan_shards(sizes: list[tuple[str, int]], shard_bytes: int) -> list[list[st
     return shards
 
 
+class ModelTensors:
+    """The model's tensors an export writes, by hpctrain's name: those the checkpoint holds and, from an
+    adapter-only checkpoint (checkpoint.weights=adapters), the frozen base's, read from the model.init_from
+    it records (or `base`, where the base moved) once its fingerprint is found equal to the recorded one
+    (hpctrain.checkpoint.base), in the parameters' dtype as a full checkpoint would hold them."""
+
+    def __init__(self, step_dir: Path, md, info: dict, base: str | os.PathLike | None = None):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.step_dir = Path(step_dir)
+        self.meta = {k[len("model."):]: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+                     if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+        self.base, self._from_base, self._opened = None, set(), {}
+        if info.get("weights") != "adapters":
+            return
+        from hpctrain.models.llama import build_meta
+        from hpctrain.parallel.stateful import in_base
+
+        self.base = base_of(self.step_dir, info, base)
+        model_cfg = model_config(info["config"]["model"])
+        self.arch, self._where = hf.architecture(model_cfg), hf.tensors(self.base)
+        dtype = next(iter(self.meta.values()))[1]  # the adapters', the parameters' dtype
+        for name, p in build_meta(model_cfg, info["config"]["data"]["seq_len"]).named_parameters():
+            if name not in self.meta and in_base(name):
+                self.meta[name] = (tuple(p.shape), dtype)
+                self._from_base.add(name)
+
+    def names(self) -> list[str]:
+        return list(self.meta)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.meta[name][0])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta[name][1]
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._from_base:
+            return _read(self.step_dir, name)
+        from safetensors import safe_open
+
+        parts = []
+        for hf_name in hf.hf_names(name, self.arch, self.meta[name][0][0]):
+            file = self.base / self._where[hf_name][2]
+            f = self._opened.get(file) or self._opened.setdefault(file, safe_open(str(file), "pt"))
+            parts.append(f.get_tensor(hf_name))
+        return (torch.stack(parts) if hf.is_expert(name) else parts[0]).to(self.meta[name][1])
+
+
+def base_of(step_dir: Path, info: dict, base: str | os.PathLike | None) -> Path:
+    """The base an adapter-only checkpoint's export reads: `base` (--base), else the model.init_from it
+    records; HFError with the fix when it is not there or is not the base the adapters were trained on."""
+    from hpctrain.checkpoint.base import difference
+
+    recorded = info.get("base") if isinstance(info.get("base"), dict) else {}
+    at = recorded.get("init_from")
+    path = Path(base) if base else Path(at) if at else None
+    if path is None:
+        raise hf.HFError(f"{step_dir} holds only the LoRA adapters and records no base model. Fix: --base DIR, the "
+                         "Hugging Face directory it was trained on")
+    if not path.is_dir():
+        said = "--base" if base else "the base it records (model.init_from)"
+        raise hf.HFError(f"{step_dir} holds only the LoRA adapters; {said}, {path}, is not a directory (moved or "
+                         "deleted?). Fix: --base DIR, the Hugging Face directory of the base it was trained on")
+    why = difference(recorded, path)
+    if why:
+        raise hf.HFError(f"{path} is not the base {step_dir} was trained on ({at}): {why}. Fix: --base DIR, the "
+                         "base it was trained on (a copy elsewhere is fine)")
+    return path
+
+
 def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "keep",
-              shard_bytes: int = 5 << 30, notes: list | None = None) -> dict:
+              shard_bytes: int = 5 << 30, notes: list | None = None, base: str | os.PathLike | None = None) -> dict:
     """Write the checkpoint's model as a Hugging Face Llama directory; returns the index. `notes` gets
-    what the export left out or could not take from the base (files outside it, a config.json gone)."""
+    what the export left out or could not take from the base (files outside it, a config.json gone).
+    `base`: an adapter-only checkpoint's base where it is no longer at the model.init_from it records."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     md = read_metadata(step_dir)
     check_files(step_dir, md)
     info = read_info(step_dir)
     model_cfg = model_config(info["config"]["model"])
     arch = hf.architecture(model_cfg)  # HFError before anything is written when no format holds the model
-    names = [k[len("model."):] for k in md.state_dict_metadata if k.startswith("model.")]
+    src = ModelTensors(step_dir, md, info, base)
+    names = src.names()
     # The balancing bias shifts which experts are picked; no Hugging Face format here holds it.
     names = [n for n in names if not n.endswith("moe.router.bias")]
     # A LoRA run's adapters are merged into their layers' weights (W + alpha / rank B A): a plain model.
@@ -136,12 +210,11 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     if model_cfg.tie_embeddings:
         names = [n for n in names if n != "output.weight"]
     order = sorted(names, key=_hf_order)
-    target = {n: DTYPES[dtype] if dtype != "keep" else md.state_dict_metadata[f"model.{n}"].properties.dtype
-              for n in order}
-    sizes = [(n, md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize) for n in order]
+    target = {n: DTYPES[dtype] if dtype != "keep" else src.dtype(n) for n in order}
+    sizes = [(n, src.numel(n) * target[n].itemsize) for n in order]
     shards = _plan_shards(sizes, shard_bytes)
     with outdir.replacing(out_dir, TOOL) as tmp:  # refuses a directory holding files it did not write
-        return _write(step_dir, tmp, md, info, model_cfg, order, target, shards, arch, adapted,
+        return _write(src, tmp, info, model_cfg, order, target, shards, arch, adapted,
                       notes if notes is not None else [])
 
 
@@ -152,7 +225,7 @@ def _read(step_dir: Path, name: str) -> torch.Tensor:
     return state["model"][name] if "model" in state else state[f"model.{name}"]
 
 
-def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list[str], target: dict,
+def _write(src: ModelTensors, out_dir: Path, info: dict, model_cfg, order: list[str], target: dict,
            shards: list[list[str]], arch: str, adapted: set = frozenset(), notes: list | None = None) -> dict:
     """Write the planned safetensors files, their index, config.json, generation_config.json, the
     tokenizer and the base's files into the new, empty directory `out_dir`; returns the index."""
@@ -163,11 +236,11 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
         header, offset = {}, 0
         for n in shard:
-            shape = list(md.state_dict_metadata[f"model.{n}"].size)
+            shape = list(src.meta[n][0])
             names = hf.hf_names(n, arch, shape[0])
             if hf.is_expert(n):
                 shape = shape[1:]  # one tensor per expert, each expert's bytes contiguous in ours
-            nbytes = md.state_dict_metadata[f"model.{n}"].size.numel() * target[n].itemsize // len(names)
+            nbytes = src.numel(n) * target[n].itemsize // len(names)
             for name in names:
                 header[name] = {"dtype": SAFETENSORS_DTYPE[target[n]], "shape": shape,
                                 "data_offsets": [offset, offset + nbytes]}
@@ -178,10 +251,10 @@ def _write(step_dir: Path, out_dir: Path, md, info: dict, model_cfg, order: list
         with open(out_dir / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for n in shard:
-                t = _read(step_dir, n)
+                t = src.read(n)
                 if n in adapted:  # in fp32, then cast: the update may be far below the weight's bf16 step
                     layer = n[:-len("weight")]
-                    update = _read(step_dir, layer + "lora_B").float() @ _read(step_dir, layer + "lora_A").float()
+                    update = src.read(layer + "lora_B").float() @ src.read(layer + "lora_A").float()
                     t = t.float() + update * (model_cfg.lora.alpha / model_cfg.lora.rank)
                 f.write(t.detach().to(target[n]).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
                 weight_map.update({name: fname for name in hf.hf_names(n, arch, t.shape[0])})

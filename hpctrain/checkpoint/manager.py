@@ -40,7 +40,8 @@ from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
                                       check_shapes, read_metadata)
 from hpctrain.checkpoint.stager import InPlaceStager, ReusingStager
-from hpctrain.checkpoint.validate import (first_nonfinite, nonfinite_message, plain_problems, read_info, read_per_rank)
+from hpctrain.checkpoint.validate import (first_nonfinite, holds_problem, nonfinite_message, plain_problems, read_info,
+                                          read_per_rank)
 from hpctrain.core.rundir import CHECKPOINT_LOG, append_jsonl, overwrite_problem
 from hpctrain.core.faults import wrap_writer
 from hpctrain.core.schema import CheckpointConfig
@@ -141,6 +142,9 @@ class CheckpointManager:
         # finite: every tensor was checked before the save (retention keeps the newest such checkpoint).
         info = {"step": step, "world_size": self.world, "time": time.time(), "finite": True, **plain, **self.meta,
                 "torch": torch.__version__}
+        if self.rank == 0:  # what the tensors are (an adapter-only checkpoint and its base): rank 0 writes it
+            for obj in self._tensor_objects().values():
+                info.update(obj.record() if hasattr(obj, "record") else {})
         writer = wrap_writer(RawWriter(str(tmp), thread_count=max(1, self.cfg.threads), pool=self._io_pool(),
                                        also_sync=per_rank), step, self.rank)
         if self._pg is None:
@@ -340,10 +344,11 @@ class CheckpointManager:
         if not cands:
             return None
         self._saved_state = None  # a load may replace tensors
-        state = self._tensor_state()
-        wanted = self._all_shapes(expected_shapes(state))
         problems = []
         for step, path in cands:
+            self._select(path)  # which tensors it holds (adapters only, or every weight) is its own record's
+            state = self._tensor_state()
+            wanted = self._all_shapes(expected_shapes(state))
             verdict, plain = self._verify(step, path, wanted)
             if verdict is None:
                 try:
@@ -370,6 +375,16 @@ class CheckpointManager:
                                  + "\nFix: each line says why; a checkpoint of another model or config resumes "
                                    "with that config; to start afresh, use a new run.dir (these checkpoints stay "
                                    "as they are); checkpoint.load_step picks a good one")
+
+    def _select(self, path: Path) -> None:
+        """Tell the tensor objects that list what a checkpoint holds (ModelState) its hpctrain.json."""
+        try:
+            info = read_info(path)
+        except DamagedCheckpoint:
+            info = None  # _verify says why it is unusable
+        for obj in self._tensor_objects().values():
+            if hasattr(obj, "select"):
+                obj.select(info)
 
     def _load_plain(self, path: Path, plain: dict) -> Optional[str]:
         """Load the plain states _verify checked (a per-rank one only where it found it) into their
@@ -425,6 +440,8 @@ class CheckpointManager:
                 check_shapes(md, wanted, tuple(f"{n}." for n, o in self.objects.items() if getattr(o, "exact_keys", False)))
             info = read_info(path)  # every rank: the checks are cheap, and each rank loads what it checked
             claims = self._claims_problem(step, info) or plain_problems(path, info, self.objects)
+            if self.rank == 0 and not claims:  # its base read and compared once, on rank 0
+                claims = holds_problem(info, self.objects)
             if claims:
                 raise DamagedCheckpoint(claims)
             plain = {n: info[n] for n, o in self.objects.items()

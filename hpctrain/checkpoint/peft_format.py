@@ -30,8 +30,10 @@ def adapter_config(lora, arch: str, base: str | None) -> dict:
             "auto_mapping": {"base_model_class": arch, "parent_library": "transformers.models"}}
 
 
-def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
-    """Write the adapters of a LoRA run's checkpoint as a PEFT adapter directory; returns its config."""
+def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike, base: str | os.PathLike | None = None) -> dict:
+    """Write the adapters of a LoRA run's checkpoint as a PEFT adapter directory; returns its config.
+    `base`: the base model to name in it (base_model_name_or_path) instead of the run's model.init_from,
+    checked first to be the base the adapters were trained on where the checkpoint records one."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -55,7 +57,11 @@ def export_peft(step_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict
                      no_dist=True)
     flat = state["model"] if "model" in state else {k[len("model."):]: v for k, v in state.items()}
     tensors = {peft_name(k, arch): v.detach().contiguous() for k, v in flat.items()}
-    config = adapter_config(model_cfg.lora, arch, info["config"]["model"].get("init_from"))
+    if base is not None and isinstance(info.get("base"), dict):
+        from hpctrain.checkpoint.hf_weights import base_of
+
+        base_of(step_dir, info, base)  # HFError when it is not the same weights
+    config = adapter_config(model_cfg.lora, arch, str(base) if base is not None else info["config"]["model"].get("init_from"))
     with outdir.replacing(out_dir, TOOL) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=1))

@@ -108,6 +108,17 @@ def plain_problems(path: Path, info: dict, objects: dict) -> str | None:
     return None
 
 
+def holds_problem(info: dict, objects: dict) -> str | None:
+    """Why a tensor object cannot take what the checkpoint holds (ModelState.checkpoint_problem: an
+    adapter-only checkpoint without its base, a changed base), or None."""
+    for obj in objects.values():
+        check = getattr(obj, "checkpoint_problem", None)
+        problem = check(info) if check is not None and getattr(obj, "sharded", False) else None
+        if problem:
+            return problem
+    return None
+
+
 def own_problem(obj, where: str, state) -> str | None:
     """An object's own rule for its state, where it has one (`state_problem(state)`)."""
     check = getattr(obj, "state_problem", None)

@@ -266,6 +266,15 @@ class EngineSpec:
         return self.precision == "fp16"
 
     @property
+    def checkpoint_weights(self) -> str:
+        """full | adapters: what a checkpoint holds of the model (checkpoint.weights, auto resolved: the LoRA
+        adapters alone where the frozen base can be re-read, from model.init_from)."""
+        asked = str(self.config.checkpoint.weights)
+        if asked == "auto":
+            return "adapters" if self.lora and self.config.model.init_from else "full"
+        return asked
+
+    @property
     def loss(self) -> str:
         """chunked | full (train.loss)."""
         return str(self.config.train.loss)

@@ -1,7 +1,7 @@
 """Conversations to token ids and a loss mask, rendered with the model's own chat template.
 
-A record is a JSON object: {"messages": [{"role", "content"}, ...]} (format chat; optional "tools"), or
-{"prompt", "completion"} (format prompt). The chat template is found where transformers' tokenizer
+A record is a JSON object: {"messages": [{"role", "content"}, ...]} (format chat; optional "tools"; ShareGPT
+and Alpaca records are mapped to it first, hpctrain.data.records), or {"prompt", "completion"} (format prompt). The chat template is found where transformers' tokenizer
 finds it beside tokenizer.json: `chat_template.jinja` (where current transformers' save_pretrained
 writes it), else tokenizer_config.json's `chat_template` (a string, or named templates: the "default"),
 else the `chat_template` of `chat_template.json` (a processor's older file). It is a Jinja template

@@ -2,6 +2,7 @@
 
     python -m hpctrain.data.prepare SRC OUT [--tokenizer tokenizer.json] [--workers N] [--val-fraction 0.01]
     python -m hpctrain.data.prepare SRC OUT --tokenizer DIR --format chat|prompt [--seq-len N] [--too-long refuse]
+    python -m hpctrain.data.prepare SRC OUT --tokenizer DIR --format preference --seq-len N [--too-long refuse]
 
 SRC is a file or a directory of text files (.txt .md .rst .py: one document each), JSON lines and
 Parquet (one document per row, from --text-field). Each document is tokenized with the Hugging Face
@@ -16,6 +17,9 @@ prepare did not write are never touched. OUT may not be inside SRC: prepare woul
 --format prompt ({"prompt", "completion"}) also write `<split>-NNNNN.mask` beside each shard: one byte
 per token, 1 where the loss is computed (the assistant's turns, the completion; hpctrain.data.chat).
 With --seq-len the records are laid out so that none is split across two samples (docs/finetune.md).
+--format chat also reads ShareGPT and Alpaca records (hpctrain.data.records). --format preference reads
+{"prompt", "chosen", "rejected"} pairs for DPO (hpctrain.data.preference): pair j of a split is windows 2j
+(prompt + chosen) and 2j + 1 (prompt + rejected), unpacked, the mask on the completions.
 """
 from __future__ import annotations
 
@@ -234,12 +238,13 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
     truncated (its last token the end-of-document id) or refused (`too_long`), and one that does not
     fit in what is left of a window starts the next (the rest padded with untrained end-of-document
     ids); pack=False gives every record a window of its own (padding)."""
-    from hpctrain.data import chat
+    from hpctrain.data import chat, records
 
     src, out = Path(src), Path(out)
     files = corpus_files(src, JSONL)
     if not files:
         raise CorpusError(f"no .jsonl files under {src}. Fix: --format {fmt} reads JSON lines")
+    shapes = records.FileShapes()
     if tokenizer is None:
         raise TokenizerError(f"--format {fmt} needs --tokenizer: the model's tokenizer.json (and, for chat, the "
                              f"tokenizer_config.json beside it with its chat template)")
@@ -257,6 +262,8 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
         fill = {s: 0 for s in SPLITS}  # tokens in the current window of each split
         t0, stats = time.monotonic(), {"truncated": 0, "records": 0}
         for i, (record, where) in enumerate(_records(files)):
+            if fmt == "chat":  # ShareGPT and Alpaca records as the equivalent messages
+                record = shapes.messages(record, where.rsplit(":", 1)[0], where)
             chat.check_record(record, fmt, where)
             try:
                 ids, mask = chat.encode(record, fmt, tok, template, encoder.eos_id)
@@ -310,6 +317,115 @@ def prepare_records(src: Path, out: Path, tokenizer, fmt: str, *, eos: str | Non
         return meta
 
 
+def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | None = None,
+                  val_fraction: float = 0.01, seed: int = 0, too_long: str = "truncate", shard_bytes: int = 64 << 20,
+                  budget=None, progress=None) -> dict:
+    """Preference pairs ({"prompt", "chosen", "rejected"} JSON lines; hpctrain.data.preference) to shards for
+    DPO. Pair j of a split is windows 2j (prompt + chosen) and 2j + 1 (prompt + rejected) of seq_len tokens,
+    each padded with the end-of-document id; the mask is 1 on the completion's tokens only. Nothing is
+    packed: a DPO sequence's log-probability must see its own prompt and nothing else. A sequence longer
+    than a window keeps its start (`too_long` truncate, TRL's keep_start) or is refused; a pair whose prompt
+    alone fills the window (nothing of the completion left: TRL drops it too) and one whose two windows are
+    the same (a tie: the DPO loss's gradient on it is zero) are left out and counted in the warnings."""
+    from hpctrain.data import chat, preference
+
+    src, out = Path(src), Path(out)
+    files = corpus_files(src, JSONL)
+    if not files:
+        raise CorpusError(f"no .jsonl files under {src}. Fix: --format preference reads JSON lines")
+    if tokenizer is None:
+        raise TokenizerError("--format preference needs --tokenizer: the model's tokenizer.json (and, for "
+                             "conversational pairs, the tokenizer_config.json beside it with its chat template)")
+    if not seq_len or seq_len < 2:
+        raise CorpusError("--format preference lays each sequence in a window of its own: give --seq-len N "
+                          "(data.seq_len), at least 2")
+    if _inside(out, src):
+        raise OutputDirError(f"{out} is inside the corpus directory {src}. Fix: write the shards outside {src}")
+    encoder = Encoder(tokenizer, eos)
+    tok_files = _tokenizer_files(encoder)
+    tok, template, kinds = encoder._load(), None, {}
+    with outdir.replacing(out, TOOL) as tmp:
+        pair_tokens = 2 * seq_len
+        # whole pairs per shard, and one token more: the last window's last target
+        shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize // pair_tokens) * pair_tokens + 1
+        writers = {s: _SplitWriter(tmp, s, encoder.dtype, shard_tokens) for s in SPLITS}
+        pairs = {s: 0 for s in SPLITS}
+        t0, stats = time.monotonic(), {"truncated": 0, "filled": [], "ties": []}
+        for i, (record, where) in enumerate(_records(files)):
+            kind = preference.kind_of(record, where)
+            file = where.rsplit(":", 1)[0]
+            first, at = kinds.setdefault(file, (kind, where))
+            if kind != first:  # TRL decides from a dataset's first record whether to append the EOS
+                raise preference.PairError(f"{where}: a {kind} pair in a file of {first} pairs (from its first "
+                                           f"record, {at}). Fix: one form per file")
+            if kind == "conversational" and template is None:
+                template = chat.ChatTemplate.of(encoder.path, budget)
+            try:
+                prompt, chosen, rejected = preference.tokenized(record, kind, tok, template, encoder.eos, where)
+            except chat.ChatError as e:
+                raise chat.ChatError(f"{where} (record {i + 1}): {e}") from None
+            if not prompt:
+                raise preference.PairError(
+                    f"{where}: the prompt is empty once tokenized: a sequence's first token is never trained (it is "
+                    f"no model's prediction), so it must be the prompt's. Fix: give the pair a prompt")
+            if not chosen or not rejected:
+                raise preference.PairError(f"{where}: the {'chosen' if not chosen else 'rejected'} completion has no "
+                                           f"token of its own after the prompt: nothing to train on. Fix: drop "
+                                           f"the pair")
+            (c, cm, cut_c), (r, rm, cut_r) = (preference.sequence(prompt, x, seq_len) for x in (chosen, rejected))
+            if cut_c or cut_r:
+                if too_long == "refuse":
+                    n = len(prompt) + max(len(chosen), len(rejected))
+                    raise CorpusError(f"{where}: {n:,} tokens (prompt and the longer completion), longer than "
+                                      f"--seq-len {seq_len}. Fix: --too-long truncate, a larger --seq-len, or drop "
+                                      f"the pair")
+                stats["truncated"] += 1
+                if len(prompt) >= seq_len:
+                    stats["filled"].append(where)
+                    continue
+            if len(c) == len(r) and (c == r).all():
+                stats["ties"].append(where)
+                continue
+            split = "val" if is_val(i, val_fraction, seed) else "train"
+            w = writers[split]
+            for ids, mask in ((c, cm), (r, rm)):
+                pad = seq_len - len(ids)
+                w.add(np.append(ids, np.full(pad, encoder.eos_id, np.int64)), np.append(mask, np.zeros(pad, np.uint8)))
+            pairs[split] += 1
+            if w.pending_tokens == shard_tokens - 1:  # the shard is full: its last target, then it is written
+                w.add(np.full(1, encoder.eos_id, np.int64), np.zeros(1, np.uint8))
+            if progress and i and i % 10000 == 0:
+                progress(f"prepare: {i:,} pairs, {sum(x.tokens for x in writers.values()):,} tokens")
+        if not any(pairs.values()):
+            raise CorpusError(f"{src} holds no pair to train on ({len(stats['filled'])} with a prompt that fills "
+                              f"--seq-len {seq_len}, {len(stats['ties'])} ties). Fix: one JSON object per line "
+                              f"with a prompt, a chosen and a rejected answer")
+        for split, w in writers.items():
+            if w.pending:
+                w.add(np.full(1, encoder.eos_id, np.int64), np.zeros(1, np.uint8))
+        splits = {s: w.summary() | {"documents": pairs[s]} for s, w in writers.items() if pairs[s]}
+        warnings = []
+        if stats["truncated"]:
+            warnings.append(f"{stats['truncated']} pair(s) with a sequence longer than --seq-len {seq_len} were "
+                            f"truncated (their start kept)")
+        for what, left in ((f"prompt fills --seq-len {seq_len}: no completion token left", stats["filled"]),
+                           ("chosen and rejected are the same tokens: no preference to learn", stats["ties"])):
+            if left:
+                warnings.append(f"{len(left)} pair(s) left out, their {what} (first: {left[0]})")
+        if val_fraction > 0 and "val" not in splits:
+            warnings.append(f"no validation split: none of the pairs fell in the {val_fraction:g} share. For "
+                            f"validation, prepare again with a larger --val-fraction")
+        meta = {"format": 2, "records": "preference", "pairs": True, "loss_mask": True, "packed": False,
+                "window": seq_len, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
+                "max_token_id": max(w.max_id for w in writers.values()),
+                "tokenizer": _copy_tokenizer(encoder, tok_files, tmp), "val_fraction": val_fraction, "seed": seed,
+                "files": len(files), "text_bytes": sum(f.stat().st_size for f in files),
+                "documents": sum(pairs.values()), "splits": splits, "warnings": warnings,
+                "seconds": round(time.monotonic() - t0, 3)}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        return meta
+
+
 def _tokenizer_files(encoder: Encoder) -> dict[str, bytes]:
     """tokenizer.json, its config and chat template files, to copy beside the shards: training, export and
     generation then read the very tokenizer the ids came from. Read before the corpus, as the tokenizer
@@ -357,10 +473,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="which documents go to validation (default: %(default)s)")
     ap.add_argument("--text-field", default="text", help="the JSON key or Parquet column holding the text (default: %(default)s)")
     ap.add_argument("--shard-mb", type=int, default=64, help="megabytes of tokens per shard file (default: %(default)s)")
-    ap.add_argument("--format", choices=("text", "chat", "prompt"), default="text",
-                    help="text: documents; chat: JSON lines of {\"messages\": [{role, content}]} rendered with the "
-                         "tokenizer's chat template, the loss on the assistant's turns; prompt: {prompt, completion} "
-                         "lines, the loss on the completion (default: %(default)s)")
+    ap.add_argument("--format", choices=("text", "chat", "prompt", "preference"), default="text",
+                    help="text: documents; chat: JSON lines of {\"messages\": [{role, content}]}, ShareGPT "
+                         "{\"conversations\"} or Alpaca {instruction, input, output} records (the shape of each file "
+                         "from its first record) rendered with the tokenizer's chat template, the loss on the "
+                         "assistant's turns; prompt: {prompt, completion} lines, the loss on the completion; "
+                         "preference: {prompt, chosen, rejected} pairs for DPO, tokenized as TRL's DPOTrainer does, "
+                         "each sequence in a window of --seq-len (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=0,
                     help="chat/prompt: lay records out in windows of data.seq_len tokens, none split across two "
                          "(0: packed back to back) (default: %(default)s)")
@@ -379,24 +498,32 @@ def main(argv=None) -> int:
     if not args.src.exists():
         print(f"error: {args.src} does not exist", file=sys.stderr)
         return 2
+    if args.format == "preference" and not args.seq_len:
+        print("error: --format preference lays each sequence in a window of its own: give --seq-len N (data.seq_len)",
+              file=sys.stderr)
+        return 2
     if args.format != "text" and args.no_pack and not args.seq_len:
         print("error: --no-pack pads each record to a window: give --seq-len (data.seq_len)", file=sys.stderr)
         return 2
     for flag, value in (("--render-mb", args.render_mb), ("--render-seconds", args.render_seconds)):
-        if value is not None and (args.format != "chat" or not value > 0):
-            print(f"error: {flag} {value:g}: " + ("a budget must be above 0" if args.format == "chat" else
-                  "only --format chat renders a template"), file=sys.stderr)
+        renders = args.format in ("chat", "preference")
+        if value is not None and (not renders or not value > 0):
+            print(f"error: {flag} {value:g}: " + ("a budget must be above 0" if renders else
+                  "only --format chat and preference render a template"), file=sys.stderr)
             return 2
     try:
         if args.format != "text":
             from hpctrain.data.chat import ChatError
 
+            common = dict(eos=args.eos, val_fraction=args.val_fraction, seed=args.seed, too_long=args.too_long,
+                          shard_bytes=args.shard_mb << 20, budget=_budget(args.render_mb, args.render_seconds),
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
             try:
-                meta = prepare_records(args.src, args.out, args.tokenizer, args.format, eos=args.eos,
-                                       val_fraction=args.val_fraction, seed=args.seed, seq_len=args.seq_len or None,
-                                       too_long=args.too_long, pack=not args.no_pack, shard_bytes=args.shard_mb << 20,
-                                       budget=_budget(args.render_mb, args.render_seconds),
-                                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+                if args.format == "preference":
+                    meta = prepare_pairs(args.src, args.out, args.tokenizer, seq_len=args.seq_len, **common)
+                else:
+                    meta = prepare_records(args.src, args.out, args.tokenizer, args.format,
+                                           seq_len=args.seq_len or None, pack=not args.no_pack, **common)
             except ChatError as e:
                 raise CorpusError(str(e)) from None
         else:
@@ -411,7 +538,8 @@ def main(argv=None) -> int:
                 meta["seconds"]))
     for name, s in meta["splits"].items():
         trained = f" ({s['trained_tokens']:,} trained)" if "trained_tokens" in s else ""
-        print(f"  {name}: {s['tokens']:,} tokens{trained}, {s['documents']:,} documents, {len(s['shards'])} shards")
+        unit = "pairs" if meta.get("pairs") else "documents"
+        print(f"  {name}: {s['tokens']:,} tokens{trained}, {s['documents']:,} {unit}, {len(s['shards'])} shards")
     for w in meta["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(f"vocabulary {meta['vocab_size']:,} ({meta['dtype']}) -> {args.out}")
@@ -429,7 +557,8 @@ def _budget(mb: float | None, seconds: float | None):
 def next_command(meta: dict, out: Path, tokenizer: str | None) -> str:
     """The command line that trains on `out`: text from scratch; chat and prompt records fine-tune a
     Hugging Face model (+experiment=sft: model=hf, its shape from model.init_from's config.json, document
-    masking on), the one whose tokenizer this is where --tokenizer named a model directory."""
+    masking on), preference pairs preference-tune it (+experiment=dpo), the one whose tokenizer this is
+    where --tokenizer named a model directory."""
     path = shlex.quote(str(out.resolve()))
     window = f" data.seq_len={meta['window']}" if meta.get("window") else ""
     if not meta.get("loss_mask"):
@@ -437,10 +566,11 @@ def next_command(meta: dict, out: Path, tokenizer: str | None) -> str:
                 f"model.vocab_size={meta['vocab_size']}{window}")
     tok = Path(tokenizer) if tokenizer else None
     model = (tok if tok.is_dir() else tok.parent) if tok is not None else None
+    experiment = "dpo" if meta.get("pairs") else "sft"
     if model is not None and (model / "config.json").is_file():
-        return (f"fine-tune on it with: python -m hpctrain +experiment=sft model.init_from="
+        return (f"fine-tune on it with: python -m hpctrain +experiment={experiment} model.init_from="
                 f"{shlex.quote(str(model.resolve()))} data.path={path}{window}")
-    return (f"fine-tune on it with: python -m hpctrain +experiment=sft model.init_from=MODEL_DIR data.path={path}"
+    return (f"fine-tune on it with: python -m hpctrain +experiment={experiment} model.init_from=MODEL_DIR data.path={path}"
             f"{window}\n  MODEL_DIR: the Hugging Face model to fine-tune (config.json, *.safetensors) whose tokenizer "
             f"this is")
 

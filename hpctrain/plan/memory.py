@@ -732,7 +732,9 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         # Swap-in and swap-out buffers for one unit's optimizer state (double buffering).
         host["swap_buffers"] = 2 * 12 * sp.largest_unit / max(1, job.zero_group)
     if job.async_checkpoint:  # async checkpoints stage this rank's whole state in host memory first
-        state = dict(model_state(sp.total, job.spec.precision, job.spec.zero, job.zero_group, "none",
+        # (the adapters' alone where the checkpoint leaves the frozen base out: checkpoint.weights=adapters)
+        saved = sp.adapters if job.spec.checkpoint_weights == "adapters" else sp.total
+        state = dict(model_state(saved, job.spec.precision, job.spec.zero, job.zero_group, "none",
                                  autocast=job.autocast)[0])
         host["checkpoint_staging"] = state["params"] + state["master"] + state["moments"]
     return dev, host, nvme
