@@ -10,9 +10,15 @@ features (colwise) gets a replicated A and B split the same way, one split by in
 A split by input features and a replicated B, so the update needs no communication of its own (its
 partial sums join the base layer's reduce-scatter). The layer keeps its name and its weight's name:
 checkpoints, Hugging Face import and export address the base weight as before.
+
+QLoRA (model.lora.quantize=nf4, hpctrain.parallel.quantize) replaces the frozen weight by torchao's
+NF4Tensor once the weights are loaded; the layer then computes its base product through `NF4Base`, which
+dequantises the weight in the forward and again in the backward, so no full-precision copy of it lives
+between the two (torchao's linear_nf4 does the same; this one also takes DTensor weights, under TP).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -29,11 +35,61 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Parameter
     scaling: float
     lora_dropout: nn.Module
+    adapters_off = False  # set by adapters_disabled: the base layer alone (DPO's reference)
+
+    nf4 = False  # set by hpctrain.parallel.quantize once the weight is torchao's NF4Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if self.nf4:
+            out = NF4Base.apply(x, self.weight)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.adapters_off:
+            return out
         # one fused add (alpha): no output-sized temporary for the scaled update
         return torch.add(out, F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B), alpha=self.scaling)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """`model` as its base: every LoRALinear without its update (DPO's reference under LoRA, as PEFT's
+    disable_adapter: the same weights, no second model)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapters_off = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.adapters_off = False
+
+
+def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full-precision weight of an NF4 weight (torchao's NF4Tensor, or a DTensor of them: each rank's
+    own tensor-parallel shard), in `dtype`."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(w, DTensor):
+        return DTensor.from_local(w.to_local().get_original_weight().to(dtype), w.device_mesh, w.placements,
+                                  run_check=False, shape=w.shape, stride=w.stride())
+    return w.get_original_weight().to(dtype)
+
+
+class NF4Base(torch.autograd.Function):
+    """x W^T for a frozen NF4 weight W: saves the 4-bit weight, not its dequantised copy, for the backward
+    (which makes it again: a temporary full-precision weight per layer, in the forward and the backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w)
+        return F.linear(x, dequantize(w, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        return grad @ dequantize(w, grad.dtype), None
 
 
 def _new(like: torch.Tensor, shape: tuple, placement) -> nn.Parameter:
