@@ -64,20 +64,25 @@ def trl_rows(records: list, theirs, max_length: int) -> list[tuple]:
 
 
 def our_rows(out: Path, split: str, meta: dict) -> list[tuple]:
-    """The pairs of a split as ((ids, mask), (ids, mask)) with the padding checked and taken off."""
-    N = meta["window"]
+    """The pairs of a split as the DPO side reads them (hpctrain.data.shards: item j, chosen and rejected,
+    each seq_len + 1 ids and their mask), as ((ids, mask), (ids, mask)) with the padding checked and taken off."""
+    from hpctrain.data.shards import ShardDataset
+
+    n = meta["window"]
     shards = meta["splits"][split]["shards"]
-    ids = [np.fromfile(out / s["file"], dtype=meta["dtype"]).astype(np.int64) for s in shards]
-    mask = [np.fromfile(out / s["mask"], dtype=np.uint8) for s in shards]
-    assert all(len(x) % (2 * N) == 1 and x[-1] == meta["eos_id"] for x in ids)  # whole pairs, then a last target
-    assert sum(len(x) for x in ids) == 2 * N * meta["splits"][split]["documents"] + len(shards)
-    ids, mask = (np.concatenate([x[:-1] for x in xs]).reshape(-1, N) for xs in (ids, mask))
-    seqs = []
-    for w, m in zip(ids, mask):
-        n = int(np.flatnonzero(m)[-1]) + 1  # past the last trained token: padding only
-        assert (w[n:] == meta["eos_id"]).all() and m[0] == 0
-        seqs.append((w[:n].tolist(), m[:n].tolist()))
-    return [(seqs[2 * j], seqs[2 * j + 1]) for j in range(len(seqs) // 2)]
+    assert all(s["tokens"] % (2 * (n + 1)) == 0 for s in shards)  # whole pairs of two windows of n + 1 tokens
+    assert sum(s["tokens"] for s in shards) == 2 * (n + 1) * meta["splits"][split]["documents"]
+    ds = ShardDataset(out, n, split)
+    assert len(ds) == meta["splits"][split]["documents"]
+    rows = []
+    for j in range(len(ds)):
+        pair = []
+        for w, m in zip(ds[j], ds.loss_mask(j)):
+            k = int(np.flatnonzero(m)[-1]) + 1  # past the last trained token: padding only
+            assert (w[k:] == meta["eos_id"]).all() and m[0] == 0
+            pair.append((w[:k].tolist(), m[:k].tolist()))
+        rows.append(tuple(pair))
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_pairs_hold_trls_ids_and_completion_mask(bos_tokenizer, tmp_path, kind):
     out = tmp_path / "out"
     meta = prepare_pairs(write_jsonl(tmp_path / "p.jsonl", records), out, bos_tokenizer, seq_len=n, val_fraction=0.3,
                          seed=2)
-    want = trl_rows(records, theirs, n)
+    want = trl_rows(records, theirs, n + 1)  # a window: seq_len inputs and their targets
     got = {s: our_rows(out, s, meta) for s in ("train", "val")}
     # held out whole: each split's pairs are TRL's, in order, and together all of them once
     assert got["train"] and got["val"] and sorted(got["train"] + got["val"]) == sorted(want)
@@ -117,13 +122,14 @@ def test_pairs_hold_trls_ids_and_completion_mask(bos_tokenizer, tmp_path, kind):
         assert [want.index(r) for r in rows] == sorted(want.index(r) for r in rows)
     assert {k: meta[k] for k in ("records", "pairs", "packed", "window", "loss_mask")} == \
         {"records": "preference", "pairs": True, "packed": False, "window": n, "loss_mask": True}
+    assert meta["stride"] == n + 1
     assert meta["documents"] == len(want) == sum(meta["splits"][s]["documents"] for s in ("train", "val"))
     assert meta["splits"]["train"]["trained_tokens"] == sum(sum(m) for pair in got["train"] for _, m in pair)
     dropped = len(records) - len(want)
     assert dropped == (1 if kind == "plain" else 0)
-    assert any(f"pair(s) with a sequence longer than --seq-len {n} were truncated" in w for w in meta["warnings"])
+    assert any(f"pair(s) with a sequence longer than --seq-len {n} + 1 were truncated" in w for w in meta["warnings"])
     if dropped:
-        assert f"1 pair(s) left out, their prompt fills --seq-len {N}: no completion token left (first: " \
+        assert f"1 pair(s) left out, their prompt fills --seq-len {N} + 1: no completion token left (first: " \
                f"{tmp_path / 'p.jsonl'}:4)" in meta["warnings"]
     assert not any("same tokens" in w for w in meta["warnings"])  # said as what it is, not as a tie
 
@@ -141,7 +147,8 @@ def test_preference_refusals_ties_and_the_command_line(example_corpus, tmp_path,
         return str(e.value)
 
     assert "the prompt is empty once tokenized" in refused("empty", [{"prompt": "", "chosen": "a", "rejected": "b"}])
-    assert f"longer than --seq-len {N}. Fix: --too-long truncate" in refused("long", PLAIN[2:3], too_long="refuse")
+    assert f"more than a window of --seq-len {N} + 1. Fix: --too-long truncate" in \
+        refused("long", PLAIN[2:3], too_long="refuse")
     said = refused("mixed", [PLAIN[0], CONVERSATIONAL[0]])
     assert f"{tmp_path / 'mixed.jsonl'}:2: a conversational pair in a file of plain pairs" in said
     assert "\"prompt\", \"chosen\" and \"rejected\"; prompt missing (TRL's implicit-prompt form" in \

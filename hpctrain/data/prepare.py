@@ -19,7 +19,7 @@ per token, 1 where the loss is computed (the assistant's turns, the completion; 
 With --seq-len the records are laid out so that none is split across two samples (docs/finetune.md).
 --format chat also reads ShareGPT and Alpaca records (hpctrain.data.records). --format preference reads
 {"prompt", "chosen", "rejected"} pairs for DPO (hpctrain.data.preference): pair j of a split is windows 2j
-(prompt + chosen) and 2j + 1 (prompt + rejected), unpacked, the mask on the completions.
+(prompt + chosen) and 2j + 1 (prompt + rejected) of N + 1 tokens, unpacked, the mask on the completions.
 """
 from __future__ import annotations
 
@@ -321,12 +321,14 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
                   val_fraction: float = 0.01, seed: int = 0, too_long: str = "truncate", shard_bytes: int = 64 << 20,
                   budget=None, progress=None) -> dict:
     """Preference pairs ({"prompt", "chosen", "rejected"} JSON lines; hpctrain.data.preference) to shards for
-    DPO. Pair j of a split is windows 2j (prompt + chosen) and 2j + 1 (prompt + rejected) of seq_len tokens,
-    each padded with the end-of-document id; the mask is 1 on the completion's tokens only. Nothing is
-    packed: a DPO sequence's log-probability must see its own prompt and nothing else. A sequence longer
-    than a window keeps its start (`too_long` truncate, TRL's keep_start) or is refused; a pair whose prompt
-    alone fills the window (nothing of the completion left: TRL drops it too) and one whose two windows are
-    the same (a tie: the DPO loss's gradient on it is zero) are left out and counted in the warnings."""
+    DPO. Pair j of a split is windows 2j (prompt + chosen) and 2j + 1 (prompt + rejected) of seq_len + 1
+    tokens each (a sample's inputs and targets: windows that do not overlap, meta.json's "stride"), padded
+    with the end-of-document id; the mask is 1 on the completion's tokens only. Nothing is packed: a DPO
+    sequence's log-probability must see its own prompt and nothing else. A sequence longer than a window
+    keeps its start (`too_long` truncate, TRL's keep_start with max_length = seq_len + 1) or is refused; a
+    pair whose prompt alone fills the window (nothing of the completion left: TRL drops it too) and one
+    whose two windows are the same (a tie: the DPO loss's gradient on it is zero) are left out and counted
+    in the warnings."""
     from hpctrain.data import chat, preference
 
     src, out = Path(src), Path(out)
@@ -344,10 +346,10 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
     encoder = Encoder(tokenizer, eos)
     tok_files = _tokenizer_files(encoder)
     tok, template, kinds = encoder._load(), None, {}
+    window = seq_len + 1  # a sequence's tokens: seq_len inputs, seq_len targets
     with outdir.replacing(out, TOOL) as tmp:
-        pair_tokens = 2 * seq_len
-        # whole pairs per shard, and one token more: the last window's last target
-        shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize // pair_tokens) * pair_tokens + 1
+        pair_tokens = 2 * window
+        shard_tokens = max(1, shard_bytes // np.dtype(encoder.dtype).itemsize // pair_tokens) * pair_tokens  # whole pairs
         writers = {s: _SplitWriter(tmp, s, encoder.dtype, shard_tokens) for s in SPLITS}
         pairs = {s: 0 for s in SPLITS}
         t0, stats = time.monotonic(), {"truncated": 0, "filled": [], "ties": []}
@@ -372,15 +374,15 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
                 raise preference.PairError(f"{where}: the {'chosen' if not chosen else 'rejected'} completion has no "
                                            f"token of its own after the prompt: nothing to train on. Fix: drop "
                                            f"the pair")
-            (c, cm, cut_c), (r, rm, cut_r) = (preference.sequence(prompt, x, seq_len) for x in (chosen, rejected))
+            (c, cm, cut_c), (r, rm, cut_r) = (preference.sequence(prompt, x, window) for x in (chosen, rejected))
             if cut_c or cut_r:
                 if too_long == "refuse":
                     n = len(prompt) + max(len(chosen), len(rejected))
-                    raise CorpusError(f"{where}: {n:,} tokens (prompt and the longer completion), longer than "
-                                      f"--seq-len {seq_len}. Fix: --too-long truncate, a larger --seq-len, or drop "
-                                      f"the pair")
+                    raise CorpusError(f"{where}: {n:,} tokens (prompt and the longer completion), more than a "
+                                      f"window of --seq-len {seq_len} + 1. Fix: --too-long truncate, a larger "
+                                      f"--seq-len, or drop the pair")
                 stats["truncated"] += 1
-                if len(prompt) >= seq_len:
+                if len(prompt) >= window:
                     stats["filled"].append(where)
                     continue
             if len(c) == len(r) and (c == r).all():
@@ -388,27 +390,22 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
                 continue
             split = "val" if is_val(i, val_fraction, seed) else "train"
             w = writers[split]
-            for ids, mask in ((c, cm), (r, rm)):
-                pad = seq_len - len(ids)
+            for ids, mask in ((c, cm), (r, rm)):  # a shard is written when it holds shard_tokens: whole pairs
+                pad = window - len(ids)
                 w.add(np.append(ids, np.full(pad, encoder.eos_id, np.int64)), np.append(mask, np.zeros(pad, np.uint8)))
             pairs[split] += 1
-            if w.pending_tokens == shard_tokens - 1:  # the shard is full: its last target, then it is written
-                w.add(np.full(1, encoder.eos_id, np.int64), np.zeros(1, np.uint8))
             if progress and i and i % 10000 == 0:
                 progress(f"prepare: {i:,} pairs, {sum(x.tokens for x in writers.values()):,} tokens")
         if not any(pairs.values()):
             raise CorpusError(f"{src} holds no pair to train on ({len(stats['filled'])} with a prompt that fills "
                               f"--seq-len {seq_len}, {len(stats['ties'])} ties). Fix: one JSON object per line "
                               f"with a prompt, a chosen and a rejected answer")
-        for split, w in writers.items():
-            if w.pending:
-                w.add(np.full(1, encoder.eos_id, np.int64), np.zeros(1, np.uint8))
         splits = {s: w.summary() | {"documents": pairs[s]} for s, w in writers.items() if pairs[s]}
         warnings = []
         if stats["truncated"]:
-            warnings.append(f"{stats['truncated']} pair(s) with a sequence longer than --seq-len {seq_len} were "
+            warnings.append(f"{stats['truncated']} pair(s) with a sequence longer than --seq-len {seq_len} + 1 were "
                             f"truncated (their start kept)")
-        for what, left in ((f"prompt fills --seq-len {seq_len}: no completion token left", stats["filled"]),
+        for what, left in ((f"prompt fills --seq-len {seq_len} + 1: no completion token left", stats["filled"]),
                            ("chosen and rejected are the same tokens: no preference to learn", stats["ties"])):
             if left:
                 warnings.append(f"{len(left)} pair(s) left out, their {what} (first: {left[0]})")
@@ -416,7 +413,7 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
             warnings.append(f"no validation split: none of the pairs fell in the {val_fraction:g} share. For "
                             f"validation, prepare again with a larger --val-fraction")
         meta = {"format": 2, "records": "preference", "pairs": True, "loss_mask": True, "packed": False,
-                "window": seq_len, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
+                "window": seq_len, "stride": window, "vocab_size": encoder.vocab_size, "dtype": encoder.dtype, "eos_id": encoder.eos_id,
                 "max_token_id": max(w.max_id for w in writers.values()),
                 "tokenizer": _copy_tokenizer(encoder, tok_files, tmp), "val_fraction": val_fraction, "seed": seed,
                 "files": len(files), "text_bytes": sum(f.stat().st_size for f in files),
