@@ -218,6 +218,17 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
                       notes if notes is not None else [])
 
 
+def _nf4_base(w: torch.Tensor, name: str, info: dict) -> torch.Tensor:
+    """A QLoRA run's base weight as it trained on it: NF4 of each tensor-parallel shard (the checkpoint's
+    layout's tp) in its frozen dtype, dequantised (hpctrain.parallel.quantize.dequantised), as PEFT's QLoRA
+    merges (merge_and_unload into the dequantised weights): the merged model computes what the run did."""
+    from hpctrain.parallel.quantize import dequantised
+
+    tp = int((info.get("layout") or {}).get("tp", 1))
+    frozen = torch.bfloat16 if info["config"]["train"].get("precision") == "bf16" else torch.float32
+    return dequantised(w, name, tp, frozen)
+
+
 def _read(step_dir: Path, name: str) -> torch.Tensor:
     state: dict = {}
     _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
@@ -254,6 +265,8 @@ def _write(src: ModelTensors, out_dir: Path, info: dict, model_cfg, order: list[
                 t = src.read(n)
                 if n in adapted:  # in fp32, then cast: the update may be far below the weight's bf16 step
                     layer = n[:-len("weight")]
+                    if str(model_cfg.lora.quantize) == "nf4":  # QLoRA: into the base the adapters trained on
+                        t = _nf4_base(t, n, info)
                     update = src.read(layer + "lora_B").float() @ src.read(layer + "lora_A").float()
                     t = t.float() + update * (model_cfg.lora.alpha / model_cfg.lora.rank)
                 f.write(t.detach().to(target[n]).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

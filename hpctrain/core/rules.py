@@ -518,7 +518,9 @@ def qlora(spec: EngineSpec):
                                             f"Fix: leave {t} out of model.lora.targets, change parallel.dp_shard or "
                                             "parallel.tp, or model.lora.quantize=none")
             break
-    if spec.checkpoint_weights == "full":
+    # (checkpoint.weights=auto without model.init_from and no checkpoint.every: a run that saves nothing, or a
+    # dry run pricing a preset before its base is downloaded, goes on)
+    if str(cfg.checkpoint.weights) == "full" or (spec.checkpoint_weights == "full" and cfg.checkpoint.every > 0):
         yield Problem("nf4 with full checkpoints",
                       f"model.lora.quantize=nf4 with checkpoint.weights={cfg.checkpoint.weights}"
                       f"{'' if cfg.model.init_from else ' and no model.init_from'}: a QLoRA run's checkpoints hold the "

@@ -147,13 +147,15 @@ class LoRA:
     alpha: float
     dropout: float
     targets: tuple
+    quantize: str = "none"  # none | nf4: how the frozen base of the adapted layers is stored (QLoRA)
 
 
 def lora_of(model) -> Optional[LoRA]:
     lo = getattr(model, "lora", None)
     if lo is None or lo.rank <= 0:
         return None
-    return LoRA(int(lo.rank), float(lo.alpha), float(lo.dropout), tuple(HF_LINEAR.get(t, t) for t in lo.targets))
+    return LoRA(int(lo.rank), float(lo.alpha), float(lo.dropout), tuple(HF_LINEAR.get(t, t) for t in lo.targets),
+                str(getattr(lo, "quantize", "none")))
 
 
 @dataclass(frozen=True)
@@ -286,9 +288,23 @@ class EngineSpec:
         k = str(self.config.train.loss_kernel)
         if k != "auto":
             return k
-        if self.loss != "chunked" or self.device != "cuda" or self.layout.tp > 1:
-            return "torch"
+        if self.loss != "chunked" or self.device != "cuda" or self.layout.tp > 1 or self.dpo:
+            return "torch"  # (dpo: sums per sequence, which Liger's kernel does not give)
         return "liger" if installed("liger_kernel") else "torch"
+
+    @property
+    def dpo(self) -> bool:
+        """train.objective=dpo: preference pairs, each step a reference pass beside the policy's."""
+        return str(self.config.train.objective) == "dpo"
+
+    @property
+    def dpo_reference(self) -> Optional[str]:
+        """base | copy: where DPO's reference log-probabilities come from (train.dpo.reference, auto resolved:
+        the adapter-disabled base under LoRA, else a frozen copy); None without dpo."""
+        if not self.dpo:
+            return None
+        r = str(self.config.train.dpo.reference)
+        return ("base" if self.lora else "copy") if r == "auto" else r
 
     @property
     def loss_chunk(self) -> int:

@@ -10,7 +10,7 @@ import shutil
 import dataclasses
 from dataclasses import dataclass, field, fields, replace
 
-from hpctrain.core.flops import lora_params, param_counts
+from hpctrain.core.flops import lora_linears, lora_params, param_counts
 from hpctrain.core.shape import head_dim, loss_chunk_tokens
 from hpctrain.core.schema import ClusterConfig, Config, LauncherConfig, LauncherName, ModelConfig
 from hpctrain.core.spec import KNOBS, EngineSpec, engine_spec, knob_changes, ranks_per_node, updated
@@ -84,8 +84,9 @@ class Job:
 
     @property
     def tokens(self) -> float:
-        """Tokens of one micro-batch on one rank: 1/cp of its sequences under context parallelism."""
-        return self.spec.micro_batch * self.spec.seq_len / self.spec.layout.cp
+        """Tokens of one micro-batch on one rank: 1/cp of its sequences under context parallelism (dpo: a
+        micro-batch of pairs is twice as many sequences)."""
+        return self.spec.micro_batch * self.spec.seq_len / self.spec.layout.cp * (2 if self.spec.dpo else 1)
 
     @property
     def autocast(self) -> bool:
@@ -480,6 +481,12 @@ def transients(job: Job, sp: StageParams) -> dict:
         # bucket per ~25 MiB of gradients for *every* gradient, kept for the model's lifetime
         # (gradient_as_bucket_view=False): a second copy of the gradients, in their dtype.
         out["ddp_buckets"] = stream_bytes(job) * sp.trained(job)  # in the gradients' dtype
+    if job.spec.lora and job.spec.lora.quantize == "nf4":
+        # QLoRA dequantises an NF4 weight into a full-precision temporary for its product, in the forward
+        # and again in the backward (hpctrain.models.lora.NF4Base): the largest adapted linear's, one at a
+        # time, beside torchao's int64 codes of half its weights while it is made (get_original_weight).
+        largest = max((i * o for i, o, _ in lora_linears(m, lay.tp)), default=0.0)
+        out["dequantised"] = largest * (pb + 8)
     if job.autocast and not job.spec.lora:  # (LoRA's frozen weights are kept in bf16: nothing to cast)
         # autocast casts each fp32 weight a matmul reads to bf16 once per autocast region (its weight
         # cache) and the matmul saves that copy for backward: every linear weight of the stage
@@ -639,12 +646,32 @@ def lora_state(job: Job, sp: StageParams) -> tuple[dict, dict]:
     frozen_bytes = BYTES[job.spec.precision]
     shard = job.zero_group if job.spec.zero >= 3 else 1
     eshard = expert_zero_group(job) if job.spec.zero >= 3 else 1
-    frozen = (sp.total - sp.adapters - sp.experts) / max(1, shard) + sp.experts / max(1, eshard)
+    nf4 = nf4_weights(job, sp)  # QLoRA: the adapted layers' frozen weights at NF4's size instead
+    frozen = (sp.total - sp.adapters - sp.experts - nf4) / max(1, shard) + sp.experts / max(1, eshard)
     if job.params_on_host:  # FSDP2's CPU offload: the shards on the host, gathered on the device
         off["params_frozen"] = frozen_bytes * frozen
         frozen = 0.0 if job.spec.zero >= 3 else sp.total - sp.adapters
     dev["params"] = dev.get("params", 0.0) + frozen_bytes * frozen
+    if nf4:
+        dev["nf4_base"] = nf4_bytes_per_weight(frozen_bytes) * nf4 / max(1, shard)
     return dev, off
+
+
+def nf4_weights(job: Job, sp: StageParams) -> float:
+    """Weights of the adapted linear layers one rank of the stage holds after TP, before ZeRO, when
+    model.lora.quantize=nf4 stores them in NF4 (hpctrain.parallel.quantize); else 0."""
+    if not (job.spec.lora and job.spec.lora.quantize == "nf4"):
+        return 0.0
+    return sum(i * o * n for i, o, n in lora_linears(job.model, job.spec.layout.tp)) * sp.layers / job.model.n_layers
+
+
+def nf4_bytes_per_weight(scale_bytes: float) -> float:
+    """Bytes of torchao's NF4Tensor per weight (torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py,
+    torchao 0.18, to_nf4's defaults): quantized_data, two 4-bit codes a uint8 (0.5); quantized_scalers, one
+    int8 absmax scale per block of 64 weights (1/64); quantization_factor, one factor in the weight's dtype
+    (`scale_bytes`) per 256 scales (per 16,384 weights). Per tensor it also keeps the scales' mean and a
+    16-entry table: a few bytes, left out. bf16: 0.51575 byte per weight."""
+    return 0.5 + 1 / 64 + scale_bytes / (64 * 256)
 
 
 def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
@@ -661,6 +688,9 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
                                    job.spec.offload, job.params_on_host, job.autocast)
         dev = {k: dev.get(k, 0.0) + e_dev.get(k, 0.0) for k in {**dev, **e_dev}}
         off = {k: off.get(k, 0.0) + e_off.get(k, 0.0) for k in {**off, **e_off}}
+    if job.spec.dpo_reference == "copy":  # dpo: a second set of the starting weights, built and sharded as the
+        # policy's parameters are (the same parallelize), frozen: no gradient, master copy or moments
+        dev["reference"] = dev.get("params", 0.0)
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,

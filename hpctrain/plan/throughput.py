@@ -447,6 +447,14 @@ def module_recompute_flops(job: Job, blocks: int, kept: float) -> float:
     return blocks * out
 
 
+def nf4_dequantise_bytes(elem: float) -> float:
+    """Memory traffic per weight of one dequantisation of torchao's NF4Tensor (get_original_weight, torchao
+    0.18, eager: unfused): the 4-bit codes read and split into two uint8 tensors (0.5 + 1), widened to int64
+    (8 written, 8 read by the table lookup), then four passes over the weight in its dtype (the looked-up
+    values written, scaled: read and written, stacked: read and written, less one read fused away)."""
+    return 0.5 + 1 + 16 + 5 * elem
+
+
 def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
     m, lay = job.model, job.spec.layout
     tokens = job.tokens
@@ -464,6 +472,10 @@ def stage_time(job: Job, stage: int, hw: Hardware, sw: Software) -> StageTime:
         adapter = sum(n * (hw.gemm(tokens, i, r) + hw.gemm(tokens, r, o)) for i, o, n in lora_linears(m, lay.tp))
         adapter *= layers / m.n_layers
         fwd, bwd = fwd + adapter, bwd + 2 * adapter
+        if job.spec.lora.quantize == "nf4":  # each adapted weight dequantised in the forward and the backward
+            deq = sum(i * o * n for i, o, n in lora_linears(m, lay.tp)) * layers / m.n_layers
+            t_deq = deq * nf4_dequantise_bytes(hw.elem) / hw.hbm
+            fwd, bwd = fwd + t_deq, bwd + t_deq
     if first:  # embedding lookup and its scatter-add gradient
         fwd += tokens * m.dim / lay.tp * hw.elem / hw.hbm
         bwd += 2 * tokens * m.dim / lay.tp * hw.elem / hw.hbm
@@ -744,6 +756,8 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
 
     br = {"compute": mb * (worst.fwd + worst.bwd), "recompute": mb * worst.recompute,
           "tp_exposed": mb * worst.tp_exposed, "zero_exposed": mb * worst.zero_exposed, "bubble": bubble}
+    if job.spec.dpo:  # the reference's forward of every micro-batch (no backward, nothing kept for one)
+        br["reference"] = mb * worst.fwd
     if worst.ep_exposed:
         br["ep_exposed"] = mb * worst.ep_exposed
     if worst.cp_exposed:
@@ -770,7 +784,7 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
         br["fp8_amax"] = amax.total
     step = sum(br.values())
 
-    tokens = job.spec.global_batch * job.spec.seq_len
+    tokens = job.spec.global_batch * job.spec.seq_len * (2 if job.spec.dpo else 1)  # dpo: two sequences a pair
     # the FLOPs computed: the attention pairs the causal mask and the document mask keep, no more
     kept = attention_kept(job)
     flops = train_flops_per_token(job.model, job.spec.seq_len, kept) * tokens
@@ -779,6 +793,8 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     hw_flops = flops + recompute_flops_per_token(job.model, job.spec.seq_len, recomputed,
                                                  last_linear=sw.recompute_last_linear, kept=kept) * tokens
     hw_flops += module_recompute_flops(job, job.model.n_layers - recomputed, kept) * tokens
+    if job.spec.dpo:  # the reference's forward: a third of a training step's FLOPs (not the model's MFU)
+        hw_flops += flops / 3
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
                       bubble_fraction=bubble / step, breakdown=br,
