@@ -209,3 +209,24 @@ def test_planner_prices_dpo():
     assert m_dpo["activations"] == pytest.approx(2 * m_lm["activations"], rel=0.01)
     t_lm, t_dpo = throughput(lm), throughput(dpo)
     assert t_dpo.breakdown["reference"] > 0 and "reference" not in t_lm.breakdown
+
+
+def test_progress_line_shows_the_margin_and_accuracy_and_no_perplexity(tmp_path):
+    """The progress line of a DPO step: its margin and accuracy; a DPO validation loss without perplexity
+    (no val_ppl in the row). Mutants: the line without the rewards; `r['val_ppl']` read unconditionally (a
+    KeyError on the first DPO evaluation)."""
+    import io
+
+    from hpctrain.train.metrics import MetricsLogger
+
+    out = io.StringIO()
+    m = MetricsLogger(tmp_path, total_steps=4, stream=out, live=False)
+    row = dict(loss=0.6931, grad_norm=1.0, lr=1e-4, tokens_per_s=100.0, mfu=0.01, mem_bytes=2**30, step_time_s=0.1,
+               tokens=64, **{"rewards/chosen": 0.02, "rewards/rejected": -0.01, "rewards/margins": 0.03,
+                             "rewards/accuracies": 0.75, "logps/chosen": -40.0, "logps/rejected": -41.0})
+    m.log(1, **row)
+    m.log(2, val_loss=0.69, **row)
+    m.close()
+    first, second = out.getvalue().splitlines()[:2]
+    assert "margin 0.030  acc 0.75" in first
+    assert "val loss 0.6900" in second and "ppl" not in second

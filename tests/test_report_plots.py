@@ -177,3 +177,37 @@ def test_router_plot_shows_each_experts_share_and_only_for_moe_runs(figure, tmp_
     x, y = dropped.get_lines()[0].get_data()
     assert list(y) == [m["moe_dropped"] for m in run.metrics] and list(x) == [m["step"] for m in run.metrics]
     assert f"{sum(m['moe_dropped'] for m in run.metrics):,} dropped" in dropped.get_title()
+
+
+def _preference_run() -> R.Run:
+    """A DPO run's metrics: the margin rising, the chosen reward rising and the rejected falling."""
+    run = made_run()
+    for m in run.metrics:
+        k = m["step"]
+        m.update({"rewards/chosen": 0.01 * k, "rewards/rejected": -0.02 * k, "rewards/margins": 0.03 * k,
+                  "rewards/accuracies": min(1.0, 0.5 + 0.01 * k), "logps/chosen": -40.0 + 0.1 * k,
+                  "logps/rejected": -42.0 - 0.2 * k})
+    return run
+
+
+def test_preference_plot_draws_trls_rewards_and_the_accuracy_against_chance(figure, tmp_path):
+    """train.objective=dpo: the rewards of the chosen and the rejected and their margin on one plot, the
+    accuracy on [0, 1] against chance (0.5). Mutants: the rejected reward drawn from the chosen key; no
+    plot for a DPO run; a plot for a run without preference metrics."""
+    assert R.plot_preference(made_run(), tmp_path) is None  # no rewards: not a DPO run
+    R.plot_preference(_preference_run(), tmp_path)
+    rewards, accuracy = figure().axes[:2]
+    lines = {line.get_label(): list(line.get_ydata()) for line in rewards.get_lines()}
+    assert lines["chosen"][-1] == pytest.approx(0.4) and lines["rejected"][-1] == pytest.approx(-0.8)
+    assert lines["margin (chosen - rejected)"][-1] == pytest.approx(1.2)
+    assert accuracy.get_ylim()[0] < 0 and accuracy.get_ylim()[1] > 1
+    assert "chance" in legend(accuracy)
+
+
+def test_the_page_of_a_dpo_run_shows_the_rewards_and_no_perplexity():
+    """The validation loss of a DPO run is a preference loss: exp of it is no perplexity. Mutants: the
+    perplexity column kept for DPO; the preference table missing or reading the wrong step."""
+    page = R.render(_preference_run(), {}, None)
+    assert "Preference tuning" in page and "perplexity" not in page
+    assert "<td>margin</td><td>0.0300</td><td>1.2000</td>" in page
+    assert "perplexity" in R.render(made_run(), {}, None)

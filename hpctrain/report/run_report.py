@@ -317,6 +317,36 @@ def plot_router(run: Run, out: Path) -> Optional[str]:
     return _save(fig, out / "router.png")
 
 
+def plot_preference(run: Run, out: Path) -> Optional[str]:
+    """Preference tuning (train.objective=dpo): the rewards of the chosen and the rejected completions and
+    their margin (beta x log(policy / reference), means over each step's pairs: TRL's rewards/*), and the
+    share of pairs whose chosen reward is the higher (rewards/accuracies). A policy that learns the
+    preference shows the margin rising from 0 and the accuracy from about 0.5; the chosen reward falling
+    with the rejected one (both log-probabilities pushed down) is the known DPO failure the left plot shows."""
+    rows = [m for m in run.metrics if "rewards/margins" in m]
+    if not rows:
+        return None
+    fig, (rewards, accuracy) = _axes(2)
+    steps = [m["step"] for m in rows]
+    for key, what, colour in (("rewards/chosen", "chosen", "C2"), ("rewards/rejected", "rejected", "C3"),
+                              ("rewards/margins", "margin (chosen - rejected)", "C0")):
+        rewards.plot(steps, [m[key] for m in rows], lw=1.5 if key == "rewards/margins" else 1, color=colour,
+                     label=what)
+    rewards.axhline(0.0, ls="--", color="k", lw=0.8)
+    rewards.set_xlabel("step")
+    rewards.set_ylabel("reward: beta x log(policy / reference)")
+    rewards.grid(alpha=0.3)
+    rewards.legend(fontsize="small")
+    accuracy.plot(steps, [m["rewards/accuracies"] for m in rows], color="C1", lw=1)
+    accuracy.axhline(0.5, ls="--", color="k", lw=0.8, label="chance")
+    accuracy.set_ylim(-0.02, 1.02)
+    accuracy.set_xlabel("step")
+    accuracy.set_ylabel("pairs with chosen reward > rejected")
+    accuracy.grid(alpha=0.3)
+    accuracy.legend(fontsize="small")
+    return _save(fig, out / "preference.png")
+
+
 PLOTS = {
     "loss.png": ("Loss", plot_loss),
     "throughput.png": ("Throughput and MFU", plot_throughput),
@@ -324,6 +354,7 @@ PLOTS = {
     "memory.png": ("Memory", plot_memory),
     "checkpoints.png": ("Checkpoint saves", plot_checkpoints),
     "router.png": ("Expert load (Mixture-of-Experts)", plot_router),
+    "preference.png": ("Preference tuning: rewards and accuracy", plot_preference),
 }
 
 
@@ -396,13 +427,27 @@ def render(run: Run, images: dict[str, str], goodput_text: Optional[str]) -> str
     """The HTML page (pure): `images` maps file name -> title of the plots that were drawn."""
     parts = [f"<h1>hpctrain run: {html.escape(run.dir.name)}</h1>",
              f"<p>Status: {html.escape(status(run))}. Plan: {html.escape(_plan_line(run.plan))}</p>"]
+    preference = [m for m in run.metrics if "rewards/margins" in m]  # train.objective=dpo
     if run.val:
         best = min(run.val, key=lambda m: m["val_loss"])
         last = run.val[-1]
-        parts.append("<h2>Validation</h2>" + _table(
-            ["", "step", "validation loss", "perplexity"],
-            [("last", last["step"], f"{last['val_loss']:.4f}", f"{_ppl(last):,.2f}"),
-             ("best", best["step"], f"{best['val_loss']:.4f}", f"{_ppl(best):,.2f}")]))
+        if preference:  # a preference loss: exp of it is no perplexity
+            parts.append("<h2>Validation</h2>" + _table(
+                ["", "step", "validation loss (preference)"],
+                [("last", last["step"], f"{last['val_loss']:.4f}"), ("best", best["step"], f"{best['val_loss']:.4f}")]))
+        else:
+            parts.append("<h2>Validation</h2>" + _table(
+                ["", "step", "validation loss", "perplexity"],
+                [("last", last["step"], f"{last['val_loss']:.4f}", f"{_ppl(last):,.2f}"),
+                 ("best", best["step"], f"{best['val_loss']:.4f}", f"{_ppl(best):,.2f}")]))
+    if preference:
+        first, last = preference[0], preference[-1]
+        keys = (("rewards/chosen", "reward of the chosen"), ("rewards/rejected", "reward of the rejected"),
+                ("rewards/margins", "margin"), ("rewards/accuracies", "accuracy"),
+                ("logps/chosen", "log-probability of the chosen"), ("logps/rejected", "log-probability of the rejected"))
+        parts.append("<h2>Preference tuning</h2>" + _table(
+            ["", f"step {first['step']}", f"step {last['step']}"],
+            [(what, f"{first[k]:.4f}", f"{last[k]:.4f}") for k, what in keys]))
     rows = plan_rows(run)
     if rows:
         parts.append("<h2>The plan beside the run</h2>" + _table(["", "plan", "measured"], rows))

@@ -102,9 +102,13 @@ class MetricsLogger:
         if "expert_share_min" in r:  # Mixture-of-Experts: the least and most loaded expert of any layer
             line += f"  expert share {r['expert_share_min']:.2f}-{r['expert_share_max']:.2f}"
         if "val_loss" in r:
-            line += f"  val loss {r['val_loss']:.4f} ppl {r['val_ppl']:,.2f}"
+            line += f"  val loss {r['val_loss']:.4f}"
+            if "val_ppl" in r:  # (a preference loss has no perplexity)
+                line += f" ppl {r['val_ppl']:,.2f}"
         if r.get("nonfinite"):
             line += "  not finite: no update"
+        if "rewards/margins" in r:  # train.objective=dpo: how far the policy prefers the chosen completions
+            line += f"  margin {r['rewards/margins']:.3f}  acc {r['rewards/accuracies']:.2f}"
         if r.get("skipped_steps"):  # the run's count (train.on_nonfinite=skip)
             line += f"  skipped {r['skipped_steps']}"
         if "loss_scale" in r:  # train.precision=fp16: the loss scale, and the steps its overflows skipped
