@@ -1,7 +1,7 @@
 """The README's "Train on your own text" and "Fine-tune" commands, as written there, with fewer steps:
 prepare the example corpus, train with validation, export, load in transformers and generate; then
 prepare its conversations, fine-tune LoRA adapters on that model, export them in PEFT's format and
-generate through transformers + PEFT."""
+generate through transformers + PEFT; then prepare its preference pairs and DPO-tune that model."""
 from __future__ import annotations
 
 import json
@@ -24,13 +24,13 @@ def readme_block(section: str) -> str:
 
 
 def test_real_text_to_transformers_end_to_end(tmp_path):
-    script = readme_block("Train on your own text") + readme_block("Fine-tune")
+    script = readme_block("Train on your own text") + readme_block("Fine-tune") + readme_block("Preference-tune")
     # A quarter of the standard library's text is enough to see the validation loss fall in 40 steps.
     for old, new in [("hpctrain.data.example data/example", "hpctrain.data.example data/example --mb 0.5"),
                      ("data/example", str(tmp_path / "example")), ("outputs/text", str(tmp_path / "text")),
                      ("train.steps=300", "train.steps=40"), ("checkpoint.every=100", "checkpoint.every=40"),
                      ("eval.every=50", "eval.every=10"), ("step-00000300", "step-00000040"),
-                     ("outputs/sft", str(tmp_path / "sft")),
+                     ("outputs/sft", str(tmp_path / "sft")), ("outputs/dpo", str(tmp_path / "dpo")),
                      (f"run.dir={tmp_path / 'sft'}", f"run.dir={tmp_path / 'sft'} train.steps=20 eval.every=10 "
                                                      "eval.batches=2 checkpoint.every=20"), ("step-00000100", "step-00000020")]:
         assert old in script, old  # the README still says what this test runs
@@ -54,6 +54,12 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
         ".hpctrain-output.json", "adapter_config.json", "adapter_model.safetensors"]
     assert "<|im_start|>user\nWhat is os.path.join for?<|im_end|>\n<|im_start|>assistant\n" in proc.stdout, \
         proc.stdout[-2000:]
+    # Preference tuning: the policy learns to prefer each question's own answer (from a margin of 0, policy =
+    # reference, to a positive one), and the report draws the rewards.
+    dpo = [r for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert dpo[0]["rewards/margins"] == 0.0 and abs(dpo[0]["loss"] - 0.6931472) < 1e-4, dpo[0]
+    assert dpo[-1]["rewards/margins"] > 0 and dpo[-1]["rewards/accuracies"] > 0.5, dpo[-1]
+    assert (tmp_path / "dpo" / "report" / "preference.png").is_file()
     assert sorted(p.name for p in (tmp_path / "text" / "hf").iterdir()) == [
         ".hpctrain-output.json",  # the export's marker: a second export may replace the directory
         "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",

@@ -5,7 +5,8 @@ BPE tokenizer trained on them by the `tokenizers` library.
     python -m hpctrain.data.example OUT [--mb 2] [--vocab 2048]
 
 writes OUT/corpus.jsonl, OUT/chat.jsonl (a question about each documented object, its docstring as the
-answer: a fine-tuning set), OUT/tokenizer.json and OUT/tokenizer_config.json (with a ChatML chat template);
+answer: a fine-tuning set), OUT/preference.jsonl (the same question, its docstring chosen over another
+object's: a preference-tuning set), OUT/tokenizer.json and OUT/tokenizer_config.json (with a ChatML chat template);
 then
 `python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json --val-fraction 0.05`.
 """
@@ -88,6 +89,19 @@ def conversation(doc: dict, i: int) -> dict:
     return {"messages": messages}
 
 
+def preference(docs: list[dict], i: int) -> dict:
+    """A preference pair in TRL's conversational form: the question about object i, its own docstring's first
+    paragraph chosen over another object's (an answer that reads well but is about something else)."""
+    def answer(d: dict) -> str:
+        return d["text"].split("\n\n")[0].strip()[:600]
+
+    doc, other = docs[i], docs[(i + len(docs) // 2) % len(docs)]
+    what = f"{doc['module']}.{doc['name']}" if doc["name"] else doc["module"]
+    return {"prompt": [{"role": "user", "content": f"What is {what} for?"}],
+            "chosen": [{"role": "assistant", "content": answer(doc)}],
+            "rejected": [{"role": "assistant", "content": answer(other)}]}
+
+
 def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
     """Writes into an absent or empty `out`, or over its own earlier output (hpctrain.core.outdir)."""
     with replacing(out, "hpctrain.data.example") as tmp:
@@ -98,6 +112,9 @@ def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
         with open(tmp / "chat.jsonl", "w") as f:  # the fine-tuning example (docs/finetune.md)
             for i, d in enumerate(docs):
                 f.write(json.dumps(conversation(d, i)) + "\n")
+        with open(tmp / "preference.jsonl", "w") as f:  # the preference-tuning example (docs/finetune.md)
+            for i in range(len(docs)):
+                f.write(json.dumps(preference(docs, i)) + "\n")
         tok = train_tokenizer([d["text"] for d in docs], vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / "tokenizer_config.json").write_text(json.dumps({
