@@ -59,7 +59,9 @@ def runs(world_of_one, tmp_path_factory):
     d = tmp_path_factory.mktemp("adapter_ckpt")
     base = hf_base(d / "base")
     out = {"dir": d, "base": base}
-    for kind, extra in (("adapters", ()), ("full", ("checkpoint.weights=full",))):
+    for kind, extra in (("adapters", ()), ("full", ("checkpoint.weights=full",)),
+                        ("adapters_bf16", ("train.precision=bf16",)),
+                        ("full_bf16", ("checkpoint.weights=full", "train.precision=bf16"))):
         t = trainer(d / kind, base, *extra)
         out[kind] = {"losses": t.fit().losses, "adapters": adapters_of(t), "run": d / kind}
     # stopped after 2 steps, saved by itself (adapters only), then resumed by a new trainer
@@ -288,3 +290,20 @@ def test_the_planner_prices_adapter_checkpoints():
     assert sizes["full"][0] == pytest.approx(12 * adapters + 2 * base, rel=1e-6)  # the base in bf16
     assert sizes["auto"][1] < sizes["full"][1] / 40
     assert "checkpoint: 2.49 GB a save (the LoRA adapters and their optimizer state" in sizes["auto"][2]
+
+
+def test_export_of_a_bf16_adapter_checkpoint_keeps_the_base_in_bf16(runs, tmp_path):
+    """Under train.precision=bf16 a full LoRA checkpoint holds the frozen base in bf16 (store_frozen_as), the
+    adapters in fp32: the export of the adapter-only checkpoint of the same run is the full one's, tensor for
+    tensor and dtype for dtype. Mutant: the base typed as the adapters (fp32: twice the bytes, other values)."""
+    from safetensors.torch import load_file
+
+    outs = {}
+    for kind in ("adapters_bf16", "full_bf16"):
+        done = export(step_dir(runs[kind]["run"], 4), tmp_path / kind, "--format", "hf")
+        assert done.returncode == 0, done.stderr
+        outs[kind] = load_file(str(tmp_path / kind / "model.safetensors"))
+    small, full = outs["adapters_bf16"], outs["full_bf16"]
+    assert small.keys() == full.keys() and full["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    for k, v in full.items():
+        assert v.dtype == small[k].dtype and torch.equal(v, small[k]), k

@@ -177,7 +177,21 @@ REFUSED = {  # overrides on top of +experiment=dpo with preference shards -> the
     "train.dpo.loss=ipo train.dpo.label_smoothing=0.1": ("train.dpo.label_smoothing=0.1", "train.dpo.loss=sigmoid"),
     "data=synthetic": ("data.source=synthetic", "--format preference"),
     "train.objective=lm": ("holds preference pairs", "Fix: train.objective=dpo"),
+    "data.document_mask=true": ("data.document_mask", "Fix: data.document_mask=false data.document_positions=false"),
+    "model.lora.quantize=nf4 train.dpo.reference=copy": ("train.dpo.reference=copy with model.lora.quantize=nf4",
+                                                         "Fix: train.dpo.reference=base"),
 }
+
+
+def test_dpo_options_without_dpo_are_refused():
+    """train.dpo.* set on a run that is not DPO would be ignored: refused, naming the key. Mutant: the check
+    missing (beta=0.5 silently unused)."""
+    from hpctrain.checks.config_checks import problems
+
+    found = problems(compose(["+experiment=tiny", "train.dpo.beta=0.5"]))
+    assert any("train.dpo.beta=0.5 with train.objective=lm" in p and "Fix: train.objective=dpo" in p
+               for p in found), found
+    assert not any("train.dpo" in p for p in problems(compose(["+experiment=tiny"])))
 
 
 @pytest.mark.parametrize("extra", list(REFUSED))
@@ -198,14 +212,27 @@ def test_moe_refused():
 
 def test_planner_prices_dpo():
     """A DPO step: two sequences a pair (the activations double), the reference's forward in the time, and under
-    full DPO the frozen copy's weights in the memory."""
+    full DPO the frozen copy's weights in the memory: the fp32 shards the engine builds for it (parallelize's,
+    as the policy's own), 4 bytes x Llama 3 70B's parameters as transformers counts them / the ZeRO-3 shards.
+    Mutants: the copy priced at the bf16 gather's 2 bytes; not sharded; no reference time; activations not
+    doubled."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from hpctrain.plan.memory import job_of, memory
     from hpctrain.plan.throughput import throughput
 
-    base = ["+experiment=70b", "cluster=h100", "cluster.nodes=8", "train.global_batch=64", "train.micro_batch=1"]
+    base = ["+experiment=70b", "cluster=h100", "cluster.nodes=8", "train.global_batch=64", "train.micro_batch=1",
+            "parallel.pp=1", "parallel.zero=3"]
     lm, dpo = (job_of(compose([*base, *x])) for x in ([], ["train.objective=dpo"]))
     m_lm, m_dpo = memory(lm).device, memory(dpo).device
-    assert m_dpo["reference"] == m_lm["params"] and "reference" not in m_lm
+    with torch.device("meta"):
+        n = LlamaForCausalLM(LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                         tie_word_embeddings=False)).num_parameters()
+
+    shards = dpo.zero_group * dpo.spec.layout.tp
+    assert m_dpo["reference"] == pytest.approx(4 * n / shards, rel=1e-3) and "reference" not in m_lm
     assert m_dpo["activations"] == pytest.approx(2 * m_lm["activations"], rel=0.01)
     t_lm, t_dpo = throughput(lm), throughput(dpo)
     assert t_dpo.breakdown["reference"] > 0 and "reference" not in t_lm.breakdown

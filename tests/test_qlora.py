@@ -218,7 +218,8 @@ def test_llama3_70b_qlora_fits_2_h100_and_8_l4():
     (["offload=cpu"], "model.lora.quantize=nf4 with offload=cpu"),
     (["checkpoint.weights=full"], "model.lora.quantize=nf4 with checkpoint.weights=full: a QLoRA run's checkpoints "
                                   "hold the adapters alone"),
-    (["model.init_from=null", "checkpoint.every=10"], "and no model.init_from"),
+    (["model.init_from=null"], "model.lora.quantize=nf4 and no model.init_from: a QLoRA run's checkpoints (its last "
+                               "step's, a preemption's) hold the adapters alone"),
     (["launcher.nproc=4", "parallel.tp=2"], "NF4 weights sharded on a 2-D mesh are not implemented"),
     (["parallel.pp=2"], "model.lora.quantize=nf4 with parallel.pp=2: not implemented"),
 ])

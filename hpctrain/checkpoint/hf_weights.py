@@ -118,6 +118,11 @@ def _plan_shards(sizes: list[tuple[str, int]], shard_bytes: int) -> list[list[st
     return shards
 
 
+def frozen_dtype(info: dict) -> torch.dtype:
+    """The dtype a LoRA run stores its frozen base in: its compute dtype (bf16, fp16; fp32 otherwise)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(info["config"]["train"].get("precision"), torch.float32)
+
+
 class ModelTensors:
     """The model's tensors an export writes, by hpctrain's name: those the checkpoint holds and, from an
     adapter-only checkpoint (checkpoint.weights=adapters), the frozen base's, read from the model.init_from
@@ -139,7 +144,9 @@ class ModelTensors:
         self.base = base_of(self.step_dir, info, base)
         model_cfg = model_config(info["config"]["model"])
         self.arch, self._where = hf.architecture(model_cfg), hf.tensors(self.base)
-        dtype = next(iter(self.meta.values()))[1]  # the adapters', the parameters' dtype
+        # the dtype a full checkpoint of the run holds its frozen base in (hpctrain.models.lora.store_frozen_as:
+        # the compute dtype), not the adapters' (fp32 masters under bf16: the base would double in size)
+        dtype = frozen_dtype(info)
         for name, p in build_meta(model_cfg, info["config"]["data"]["seq_len"]).named_parameters():
             if name not in self.meta and in_base(name):
                 self.meta[name] = (tuple(p.shape), dtype)
@@ -225,7 +232,7 @@ def _nf4_base(w: torch.Tensor, name: str, info: dict) -> torch.Tensor:
     from hpctrain.parallel.quantize import dequantised
 
     tp = int((info.get("layout") or {}).get("tp", 1))
-    frozen = torch.bfloat16 if info["config"]["train"].get("precision") == "bf16" else torch.float32
+    frozen = frozen_dtype(info)
     return dequantised(w, name, tp, frozen)
 
 

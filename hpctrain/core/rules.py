@@ -350,10 +350,33 @@ def loss(spec: EngineSpec):
 @rule
 def dpo(spec: EngineSpec):
     """train.objective=dpo where it is implemented: one rank, FSDP2, DDP, TP, with or without LoRA; each pair's
-    two sequences whole on one rank in one forward, the head's sums per sequence."""
-    if not spec.dpo:
-        return
+    two sequences whole on one rank in one forward, the head's sums per sequence. train.dpo.* set for a run
+    that is not DPO is refused, as unused precision options are (an option is used or refused)."""
     t, lay = spec.config.train, spec.layout
+    if not spec.dpo:
+        from hpctrain.core.schema import DpoConfig
+
+        unused = [f"train.dpo.{k}={getattr(t.dpo, k)}" for k in DpoConfig.__dataclass_fields__
+                  if str(getattr(t.dpo, k)) != str(getattr(DpoConfig(), k))]
+        if unused:
+            yield Problem("dpo options without dpo", f"{', '.join(unused)} with train.objective={t.objective}: "
+                                                     "the preference loss is not trained, so this would be ignored. "
+                                                     "Fix: train.objective=dpo, or leave train.dpo.* out")
+        return
+    d = spec.config.data
+    if d.document_mask or d.document_positions:
+        yield Problem("dpo with document_mask", "train.objective=dpo with data.document_mask or "
+                                                "data.document_positions: each preference window holds one "
+                                                "sequence, so there is nothing to mask, and a separator inside a "
+                                                "prompt (a chat template's end of turn) would cut it into "
+                                                "documents the log-probabilities of TRL's DPO never see. "
+                                                "Fix: data.document_mask=false data.document_positions=false")
+    if spec.lora and spec.lora.quantize == "nf4" and spec.dpo_reference == "copy":
+        yield Problem("dpo reference=copy with nf4", "train.dpo.reference=copy with model.lora.quantize=nf4: the copy "
+                                                     "would keep the base in full precision while the policy runs on "
+                                                     "its NF4 weights (policy and reference differ before any step), "
+                                                     "and a second base defeats QLoRA. Fix: train.dpo.reference=base "
+                                                     "(the NF4 base with the adapters off, as PEFT's QLoRA-DPO)")
     if spec.pipeline:
         yield Problem("dpo with pp", f"train.objective=dpo with parallel.pp={lay.pp}: the reference's forward would "
                                      "need a pipeline pass of its own beside the schedule's, which is not "
@@ -518,12 +541,17 @@ def qlora(spec: EngineSpec):
                                             f"Fix: leave {t} out of model.lora.targets, change parallel.dp_shard or "
                                             "parallel.tp, or model.lora.quantize=none")
             break
-    # (checkpoint.weights=auto without model.init_from and no checkpoint.every: a run that saves nothing, or a
-    # dry run pricing a preset before its base is downloaded, goes on)
-    if str(cfg.checkpoint.weights) == "full" or (spec.checkpoint_weights == "full" and cfg.checkpoint.every > 0):
+    # QLoRA's checkpoints hold the adapters alone (torch's checkpoint cannot write torchao's NF4 weights) and
+    # re-read the base from model.init_from; every run may save (its last step, a preemption), so a real run needs
+    # a base to re-read. A dry run prices a preset before its base is downloaded.
+    if str(cfg.checkpoint.weights) == "full":
         yield Problem("nf4 with full checkpoints",
-                      f"model.lora.quantize=nf4 with checkpoint.weights={cfg.checkpoint.weights}"
-                      f"{'' if cfg.model.init_from else ' and no model.init_from'}: a QLoRA run's checkpoints hold the "
+                      "model.lora.quantize=nf4 with checkpoint.weights=full: a QLoRA run's checkpoints hold the "
                       "adapters alone and re-read the base from model.init_from (torch's checkpoint cannot write "
-                      "torchao's NF4 weights). Fix: model.init_from=<the base's Hugging Face directory>, and "
-                      "checkpoint.weights=auto or adapters")
+                      "torchao's NF4 weights). Fix: checkpoint.weights=auto (or adapters)")
+    elif not cfg.model.init_from and not cfg.dry_run:
+        yield Problem("nf4 without a base",
+                      "model.lora.quantize=nf4 and no model.init_from: a QLoRA run's checkpoints (its last step's, a "
+                      "preemption's) hold the adapters alone and re-read the base from model.init_from, and a random "
+                      "base cannot be re-read (torch's checkpoint cannot write torchao's NF4 weights). "
+                      "Fix: model.init_from=<the base's Hugging Face directory>")

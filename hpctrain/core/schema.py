@@ -472,8 +472,9 @@ class CheckpointConfig:
     """Which weights a checkpoint holds. full: every weight; adapters (LoRA with model.init_from): the
     adapters only, the frozen base re-read from model.init_from on resume and export, checked against the
     fingerprint of it the checkpoint records (a changed base is refused; a copy elsewhere is accepted);
-    auto: adapters under LoRA with model.init_from, else full. Optimizer state, data position and RNG
-    are in both, and a run resumes either kind whatever it saves (docs/checkpoints.md)."""
+    auto: adapters under LoRA with model.init_from (and under QLoRA, which needs it), else full. Optimizer
+    state, data position and RNG are in both, and a run resumes either kind whatever it saves
+    (docs/checkpoints.md)."""
 
 
 @dataclass

@@ -270,10 +270,11 @@ class EngineSpec:
     @property
     def checkpoint_weights(self) -> str:
         """full | adapters: what a checkpoint holds of the model (checkpoint.weights, auto resolved: the LoRA
-        adapters alone where the frozen base can be re-read, from model.init_from)."""
+        adapters alone where the frozen base can be re-read, from model.init_from, and always under QLoRA)."""
         asked = str(self.config.checkpoint.weights)
         if asked == "auto":
-            return "adapters" if self.lora and self.config.model.init_from else "full"
+            # (nf4: the only kind QLoRA can write; a real run has model.init_from, rules.qlora)
+            return "adapters" if self.lora and (self.config.model.init_from or self.lora.quantize == "nf4") else "full"
         return asked
 
     @property

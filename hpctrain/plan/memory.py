@@ -689,8 +689,19 @@ def stage_memory(job: Job, stage: int) -> tuple[dict, dict, float]:
         dev = {k: dev.get(k, 0.0) + e_dev.get(k, 0.0) for k in {**dev, **e_dev}}
         off = {k: off.get(k, 0.0) + e_off.get(k, 0.0) for k in {**off, **e_off}}
     if job.spec.dpo_reference == "copy":  # dpo: a second set of the starting weights, built and sharded as the
-        # policy's parameters are (the same parallelize), frozen: no gradient, master copy or moments
-        dev["reference"] = dev.get("params", 0.0)
+        # policy's parameters are (the same parallelize), frozen: no gradient, master copy or moments. Stored as
+        # the policy stores its own: fp32 (its own master under mixed precision: FSDP2 casts only what it
+        # gathers, autocast only what it multiplies), sharded by ZeRO-3, on the host under FSDP2's CPU offload;
+        # under LoRA the frozen base in the compute dtype beside the adapters.
+        if job.spec.lora:
+            ref_dev, ref_off = dev.get("params", 0.0), off.get("params_frozen", 0.0)
+        else:
+            ref = 4.0 * (sp.total - sp.experts) / (max(1, job.zero_group) if job.spec.zero >= 3 else 1)
+            ref_dev, ref_off = (0.0, ref) if job.params_on_host else (ref, 0.0)
+        if ref_dev:
+            dev["reference"] = ref_dev
+        if ref_off:
+            off["reference"] = ref_off
     acts = activations(job, stage)
     extra = transients(job, sp)
     # Two candidate peaks, whichever is higher: the end of the warm-up (every in-flight micro-batch,

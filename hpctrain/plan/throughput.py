@@ -793,8 +793,11 @@ def throughput(job: Job, sw: Software = HPCTRAIN) -> Throughput:
     hw_flops = flops + recompute_flops_per_token(job.model, job.spec.seq_len, recomputed,
                                                  last_linear=sw.recompute_last_linear, kept=kept) * tokens
     hw_flops += module_recompute_flops(job, job.model.n_layers - recomputed, kept) * tokens
-    if job.spec.dpo:  # the reference's forward: a third of a training step's FLOPs (not the model's MFU)
-        hw_flops += flops / 3
+    if job.spec.dpo:  # (not the model's MFU) the reference's forward, blocks and output layer; and the policy's
+        # per-sequence head, whose backward makes each chunk's logits again (hpctrain.models.loss): a head GEMM more
+        head = 2.0 * job.model.vocab_size * job.model.dim
+        hw_flops += (recompute_flops_per_token(job.model, job.spec.seq_len, job.model.n_layers, kept=kept)
+                     + 2 * head) * tokens
     return Throughput(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=tflops,
                       mfu=tflops / job.cluster.peak_tflops, hw_tflops_per_gpu=hw_flops / step / job.world / 1e12,
                       bubble_fraction=bubble / step, breakdown=br,
