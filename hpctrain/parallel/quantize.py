@@ -36,6 +36,23 @@ def _fsdp_params(part: nn.Module) -> dict:
     return out
 
 
+# The private parts of FSDP2 (torch 2.13) a replaced NF4 parameter goes through, as torchtune's QLoRA does.
+FSDP_INTERNALS = ("_module_info", "_sharded_param_data", "reset_sharded_param", "_init_extensions")
+
+
+def _check_internals(fsdp: dict) -> None:
+    """A torch whose FSDP2 lacks what quantize_base uses is said in words, before any weight is replaced (every
+    FSDPParam is of one class: the first tells)."""
+    if not fsdp:
+        return
+    fp, _ = next(iter(fsdp.values()))
+    missing = [a for a in FSDP_INTERNALS if not hasattr(fp, a)]
+    if missing:
+        raise RuntimeError(f"model.lora.quantize=nf4 under FSDP2 uses private parts of torch 2.13's FSDP2 that "
+                           f"torch {torch.__version__} lacks ({', '.join(missing)}). Fix: torch 2.13, or "
+                           f"parallel.zero=0 (DDP) or parallel.tp for QLoRA")
+
+
 @torch.no_grad()
 def _to_nf4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The NF4 parameter of `w` (a plain tensor or a DTensor over data-parallel and tp dimensions), the same
@@ -72,6 +89,7 @@ def quantize_base(parts: list) -> int:
     total = 0
     for part in parts:
         fsdp = _fsdp_params(part)
+        _check_internals(fsdp)
         for m in part.modules():
             if not isinstance(m, LoRALinear) or m.nf4:
                 continue
