@@ -42,14 +42,14 @@ def ids_of(text: str) -> list[int]:
     return [int(w[1:]) + 2 for w in text.split()]
 
 
-def hf_model(out: Path) -> Path:
+def hf_model(out: Path, hidden: int = 32, ffn: int = 64, kv_heads: int = 2) -> Path:
     """A tiny LlamaForCausalLM (fp32, no dropout, untied output) saved with save_pretrained."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, attention_dropout=0.0, bos_token_id=1, eos_token_id=1,
                       pad_token_id=0)
     LlamaForCausalLM(cfg).save_pretrained(out)
