@@ -109,9 +109,11 @@ def engine_run(setup, *extra) -> dict:
 
 
 def assert_same(got: dict, want: dict, what: str) -> None:
+    worst = {}
     for k in FIGURES:
-        diff = max(abs(a - b) for a, b in zip(got[k], want[k]))
+        worst[k] = diff = max(abs(a - b) for a, b in zip(got[k], want[k]))
         assert len(got[k]) == len(want[k]) == STEPS and diff <= TOL, (what, k, got[k], want[k])
+    print(f"FIGURES {what}: worst difference over {STEPS} steps " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
 CASES = {  # engine overrides, TRL's run: lora, pairs per step, DPOConfig
