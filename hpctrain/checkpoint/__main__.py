@@ -73,7 +73,8 @@ def export(step_dir: Path, out: Path, dtype: str = "keep", base: Path | None = N
     _load_state_dict(state, storage_reader=SafeReader(str(step_dir)),
                      planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     flat = {k[len("model."):]: v for k, v in _flatten(state).items() if k.startswith("model.")}
-    info = read_info(step_dir)
+    # (a checkpoint without hpctrain.json, torch's alone, holds every weight: the single file needs no more)
+    info = read_info(step_dir) if (step_dir / "hpctrain.json").exists() else {}
     if info.get("weights") == "adapters":  # the frozen base, from model.init_from (or --base), checked
         export_config_check(step_dir)
         src = ModelTensors(step_dir, md, info, base)
