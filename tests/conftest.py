@@ -36,8 +36,8 @@ if _hypothesis_settings is not None:
 # What a test file costs in a full run on 2 cores (seconds, summed --durations of its tests; the Slurm
 # tests are one group of their own): only the order matters, a file not listed comes after these.
 COSTLY = {"test_checkpoint_resume.py": 330, "test_layouts.py": 340, "test_finetune.py": 60, "test_moe.py": 235, "test_supervise.py": 235,
-          "test_readme.py": 270, "test_trackers.py": 170, "test_sp_regather.py": 160, "test_config.py": 125,
-          "test_published.py": 115, "test_engine_promises.py": 115, "test_train_dist.py": 110, "test_hf.py": 105,
+          "test_readme.py": 60, "test_trackers.py": 170, "test_sp_regather.py": 160, "test_config.py": 125,
+          "test_published.py": 60, "test_engine_promises.py": 115, "test_train_dist.py": 110, "test_hf.py": 105,
           "test_offload.py": 100, "test_validation.py": 90, "test_report.py": 80, "test_checkpoint_damage.py": 80,
           "test_serializers.py": 80, "test_k8s.py": 55, "test_multirun.py": 55, "test_profile.py": 45,
           "test_plan.py": 45, "test_mpi.py": 40, "test_container.py": 40, "test_bench_collectives.py": 40,

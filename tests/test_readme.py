@@ -54,11 +54,12 @@ def test_real_text_to_transformers_end_to_end(tmp_path):
         ".hpctrain-output.json", "adapter_config.json", "adapter_model.safetensors"]
     assert "<|im_start|>user\nWhat is os.path.join for?<|im_end|>\n<|im_start|>assistant\n" in proc.stdout, \
         proc.stdout[-2000:]
-    # Preference tuning: the policy learns to prefer each question's own answer (from a margin of 0, policy =
-    # reference, to a positive one), and the report draws the rewards.
+    # Preference tuning: the policy learns to prefer the docstring's answer to the evasive one (from a margin of
+    # 0, policy = reference, to a positive one), and the report draws the rewards.
     dpo = [r for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert dpo[0]["rewards/margins"] == 0.0 and abs(dpo[0]["loss"] - 0.6931472) < 1e-4, dpo[0]
-    assert dpo[-1]["rewards/margins"] > 0 and dpo[-1]["rewards/accuracies"] > 0.5, dpo[-1]
+    last = dpo[-5:]  # (a step's 8 pairs are a noisy sample: the last five steps')
+    assert sum(r["rewards/margins"] for r in last) > 0 and sum(r["rewards/accuracies"] for r in last) / 5 > 0.5, last
     assert (tmp_path / "dpo" / "report" / "preference.png").is_file()
     assert sorted(p.name for p in (tmp_path / "text" / "hf").iterdir()) == [
         ".hpctrain-output.json",  # the export's marker: a second export may replace the directory

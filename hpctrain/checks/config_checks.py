@@ -435,6 +435,19 @@ def advice(cfg: Config) -> list[str]:
 
 
 @_check
+def _qlora_base(cfg: Config):
+    """QLoRA's checkpoints (every run's: its last step, a preemption) hold the adapters alone and re-read the base
+    from model.init_from: a run needs one. Not a layout's problem (the planner's rules): a dry run prices a
+    preset before its base is downloaded."""
+    if str(cfg.model.lora.quantize) == "nf4" and cfg.model.lora.rank > 0 and not cfg.model.init_from \
+            and not cfg.dry_run:
+        yield ("model.lora.quantize=nf4 and no model.init_from: a QLoRA run's checkpoints (its last step's, a "
+               "preemption's) hold the adapters alone and re-read the base from model.init_from, and a random base "
+               "cannot be re-read (torch's checkpoint cannot write torchao's NF4 weights). Fix: model.init_from=<the "
+               "base's Hugging Face directory>, or dry_run=true to price the run before the base is downloaded")
+
+
+@_check
 def _lora(cfg: Config):
     """model.lora.*: a rank, scale and dropout in range, layers that exist, an adapter that fits."""
     from hpctrain.core.shape import HF_LINEAR, LORA_TARGETS as TARGETS

@@ -542,16 +542,9 @@ def qlora(spec: EngineSpec):
                                             "parallel.tp, or model.lora.quantize=none")
             break
     # QLoRA's checkpoints hold the adapters alone (torch's checkpoint cannot write torchao's NF4 weights) and
-    # re-read the base from model.init_from; every run may save (its last step, a preemption), so a real run needs
-    # a base to re-read. A dry run prices a preset before its base is downloaded.
+    # re-read the base from model.init_from (config_checks._qlora_base: a real run needs one; a layout does not).
     if str(cfg.checkpoint.weights) == "full":
         yield Problem("nf4 with full checkpoints",
                       "model.lora.quantize=nf4 with checkpoint.weights=full: a QLoRA run's checkpoints hold the "
                       "adapters alone and re-read the base from model.init_from (torch's checkpoint cannot write "
                       "torchao's NF4 weights). Fix: checkpoint.weights=auto (or adapters)")
-    elif not cfg.model.init_from and not cfg.dry_run:
-        yield Problem("nf4 without a base",
-                      "model.lora.quantize=nf4 and no model.init_from: a QLoRA run's checkpoints (its last step's, a "
-                      "preemption's) hold the adapters alone and re-read the base from model.init_from, and a random "
-                      "base cannot be re-read (torch's checkpoint cannot write torchao's NF4 weights). "
-                      "Fix: model.init_from=<the base's Hugging Face directory>")

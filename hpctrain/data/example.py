@@ -5,8 +5,8 @@ BPE tokenizer trained on them by the `tokenizers` library.
     python -m hpctrain.data.example OUT [--mb 2] [--vocab 2048]
 
 writes OUT/corpus.jsonl, OUT/chat.jsonl (a question about each documented object, its docstring as the
-answer: a fine-tuning set), OUT/preference.jsonl (the same question, its docstring chosen over another
-object's: a preference-tuning set), OUT/tokenizer.json and OUT/tokenizer_config.json (with a ChatML chat template);
+answer: a fine-tuning set), OUT/preference.jsonl (the same question, its docstring chosen over an evasive
+answer: a preference-tuning set), OUT/tokenizer.json and OUT/tokenizer_config.json (with a ChatML chat template);
 then
 `python -m hpctrain.data.prepare OUT/corpus.jsonl OUT/shards --tokenizer OUT/tokenizer.json --val-fraction 0.05`.
 """
@@ -90,16 +90,14 @@ def conversation(doc: dict, i: int) -> dict:
 
 
 def preference(docs: list[dict], i: int) -> dict:
-    """A preference pair in TRL's conversational form: the question about object i, its own docstring's first
-    paragraph chosen over another object's (an answer that reads well but is about something else)."""
-    def answer(d: dict) -> str:
-        return d["text"].split("\n\n")[0].strip()[:600]
-
-    doc, other = docs[i], docs[(i + len(docs) // 2) % len(docs)]
+    """A preference pair in TRL's conversational form: the question about object i, its docstring's first
+    paragraph (the helpful answer) chosen over an evasive one (the kind of answer preference data teaches a
+    model not to give)."""
+    doc = docs[i]
     what = f"{doc['module']}.{doc['name']}" if doc["name"] else doc["module"]
     return {"prompt": [{"role": "user", "content": f"What is {what} for?"}],
-            "chosen": [{"role": "assistant", "content": answer(doc)}],
-            "rejected": [{"role": "assistant", "content": answer(other)}]}
+            "chosen": [{"role": "assistant", "content": doc["text"].split("\n\n")[0].strip()[:600]}],
+            "rejected": [{"role": "assistant", "content": f"I am not sure what {what} is for."}]}
 
 
 def build(out: Path, megabytes: float = 2.0, vocab_size: int = 2048) -> dict:
