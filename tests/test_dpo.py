@@ -6,6 +6,7 @@ FSDP2 x 2 and TP 2 give the one-rank figures (one launch); the refusals' message
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sys
 from pathlib import Path
@@ -297,3 +298,31 @@ def test_progress_line_shows_the_margin_and_accuracy_and_no_perplexity(tmp_path)
     first, second = out.getvalue().splitlines()[:2]
     assert "margin 0.030  acc 0.75" in first
     assert "val loss 0.6900" in second and "ppl" not in second
+
+
+def test_validation_is_the_preference_loss_of_held_out_pairs(setup, world_of_one):
+    """Validation under dpo: the mean preference loss of the validation pairs. Before any step the policy is its
+    reference: every pair's loss is ln 2, and so is the mean; after steps on those same pairs (the validation
+    split here reads the training files) it is lower. Mutants: the mean over sequences instead of pairs (ln 2 / 2);
+    the reference taken from the policy in evaluation (stays ln 2); the evaluation crashing on pairs."""
+    import shutil
+
+    import torch
+
+    from hpctrain.train.loop import Trainer
+
+    shards = setup["dir"] / "with_val"
+    shutil.copytree(setup["shards"], shards)
+    meta = json.loads((shards / "meta.json").read_text())
+    meta["splits"]["val"] = meta["splits"]["train"]
+    (shards / "meta.json").write_text(json.dumps(meta))
+    run = setup["dir"] / "val_run"
+    cfg = compose([*overrides(setup["hf"], shards, 4), "launcher.nproc=1", f"run.dir={run}", "eval.batches=2",
+                   f"model.lora.init_from={setup['adapter']}"])
+    t = Trainer.of(cfg, str(run), torch.device("cpu"))
+    t.resume(print)
+    assert abs(t.evaluate() - math.log(2)) < 1e-6
+    for _ in range(4):
+        t.train_step()
+    after = t.evaluate()
+    assert math.isfinite(after) and after < math.log(2) - 1e-3, after
