@@ -151,8 +151,10 @@ def test_preference_refusals_ties_and_the_command_line(example_corpus, tmp_path,
         refused("long", PLAIN[2:3], too_long="refuse")
     said = refused("mixed", [PLAIN[0], CONVERSATIONAL[0]])
     assert f"{tmp_path / 'mixed.jsonl'}:2: a conversational pair in a file of plain pairs" in said
-    assert "\"prompt\", \"chosen\" and \"rejected\"; prompt missing (TRL's implicit-prompt form" in \
-        refused("implicit", [{"chosen": "a b", "rejected": "a c"}])
+    assert "without a prompt of their form, \"chosen\" and \"rejected\" must be two strings or two lists" in \
+        refused("implicit", [{"chosen": "a b", "rejected": [{"role": "assistant", "content": "a c"}]}])
+    assert "needs \"prompt\", \"chosen\" and \"rejected\"; prompt, rejected missing" in \
+        refused("half", [{"chosen": "a b"}])
     with pytest.raises(chat.ChatError, match="has no chat_template"):  # conversational pairs need a template
         base = tmp_path / "base"
         base.mkdir()
@@ -170,3 +172,37 @@ def test_preference_refusals_ties_and_the_command_line(example_corpus, tmp_path,
            f"{src}:2)" in got.err
     assert main([str(src), str(tmp_path / "t"), "--tokenizer", str(tok), "--format", "preference"]) == 2
     assert "--format preference lays each sequence in a window of its own: give --seq-len N" in capsys.readouterr().err
+
+
+# TRL's implicit-prompt form: Anthropic HH's strings (the prompt inside chosen and rejected), conversations that
+# start with the user's turns, and UltraFeedback binarized's string prompt beside conversations that hold it.
+HH = [
+    {"chosen": "\n\nHuman: What does os.path.join do?\n\nAssistant: It joins path parts.",
+     "rejected": "\n\nHuman: What does os.path.join do?\n\nAssistant: It deletes files."},
+    {"chosen": "\n\nHuman: Is 7 prime?\n\nAssistant: Yes.", "rejected": "\n\nHuman: Is 7 prime?\n\nAssistant: No."},
+]
+ULTRAFEEDBACK = [
+    {"prompt": "What is 2 + 2?", "prompt_id": "a1", "score_chosen": 9.0, "score_rejected": 2.0,
+     "chosen": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}],
+     "rejected": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "5."}]},
+    {"chosen": [{"role": "user", "content": "Capital of Italy?"}, {"role": "assistant", "content": "Rome."}],
+     "rejected": [{"role": "user", "content": "Capital of Italy?"}, {"role": "assistant", "content": "Milan."}]},
+]
+
+
+@pytest.mark.parametrize("kind", ["hh", "ultrafeedback"])
+def test_implicit_prompts_are_taken_apart_as_trl_does(bos_tokenizer, tmp_path, kind):
+    """The pairs equal TRL's: its maybe_extract_prompt on each record, then DPOTrainer._prepare_dataset and the
+    collator. Mutants: the whole common prefix taken as the prompt (TRL gives the space before the divergence
+    to the completion); UltraFeedback's string prompt kept beside conversations (TRL's tokenize_fn fails on it,
+    its maybe_extract_prompt takes it apart); the implicit form refused."""
+    from transformers import AutoTokenizer
+    from trl.data_utils import maybe_extract_prompt
+
+    theirs = AutoTokenizer.from_pretrained(str(bos_tokenizer))
+    records, n = (HH, N) if kind == "hh" else (ULTRAFEEDBACK, N_CHAT)
+    out = tmp_path / "out"
+    meta = prepare_pairs(write_jsonl(tmp_path / "p.jsonl", records), out, bos_tokenizer, seq_len=n, val_fraction=0)
+    trl_records = [{k: v for k, v in maybe_extract_prompt(r).items() if k in ("prompt", "chosen", "rejected")}
+                   for r in records]
+    assert our_rows(out, "train", meta) == trl_rows(trl_records, theirs, n + 1)

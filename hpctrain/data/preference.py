@@ -2,7 +2,8 @@
 
 A record is {"prompt", "chosen", "rejected"} (TRL's explicit-prompt preference format): plain strings, or
 conversational (the prompt a list of messages, chosen and rejected lists of assistant messages; optional
-"tools", a list or that list as a JSON string). As TRL 1.16's DPOTrainer._prepare_dataset tokenizes it:
+"tools", a list or that list as a JSON string); or TRL's implicit-prompt form, chosen and rejected each
+holding the prompt (`explicit` takes it apart as TRL does). As TRL 1.16's DPOTrainer._prepare_dataset tokenizes it:
 
 - plain: the tokenizer's end-of-sequence token is appended to chosen and rejected where they do not end
   with it; the prompt, prompt + chosen and prompt + rejected are each tokenized with the tokenizer's added
@@ -29,16 +30,45 @@ class PairError(ChatError):
     """A preference record that cannot be tokenized; the message names the line and the fix."""
 
 
+def _conversational(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)
+
+
+def explicit(record, where: str):
+    """The record with its prompt apart, as TRL 1.16's maybe_extract_prompt makes it: a record of chosen and
+    rejected alone, each holding the prompt (Anthropic HH's "\n\nHuman: ... \n\nAssistant: ..." strings,
+    conversations that start with the user's turns), or whose prompt is of the other form than chosen
+    (UltraFeedback binarized: the prompt as a string beside conversations that hold it), gets the longest
+    common prefix of chosen and rejected as its prompt (messages, or characters less a space before the
+    divergence), TRL's extract_prompt, its end case included (no difference inside the shorter: the prompt
+    stops one before its end). Others are returned as they are."""
+    if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
+        return record
+    if "prompt" in record and _conversational(record["prompt"]) == _conversational(record["chosen"]):
+        return record
+    c, r = record["chosen"], record["rejected"]
+    if not (isinstance(c, str) and isinstance(r, str) or _conversational(c) and _conversational(r)):
+        raise PairError(f"{where}: without a prompt of their form, \"chosen\" and \"rejected\" must be two strings or "
+                        "two lists of messages that both start with the prompt. Fix: one form, or an explicit "
+                        "\"prompt\"")
+    idx = 0
+    for idx in range(min(len(c), len(r))):
+        if c[idx] != r[idx]:
+            if c[idx - 1] == " ":  # (TRL's: the space before the divergence goes with the completion)
+                idx -= 1
+            break
+    return {**record, "prompt": c[:idx], "chosen": c[idx:], "rejected": r[idx:]}
+
+
 def kind_of(record, where: str) -> str:
     """"plain" (three strings) or "conversational" (three lists of messages); anything else refused."""
     if not isinstance(record, dict):
         raise PairError(f"{where}: a JSON object per line is expected, not {type(record).__name__}")
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in record]
     if missing:
-        implicit = " (TRL's implicit-prompt form, the prompt inside chosen and rejected, is not read)" \
-            if missing == ["prompt"] else ""
         raise PairError(f"{where}: --format preference needs \"prompt\", \"chosen\" and \"rejected\"; "
-                        f"{', '.join(missing)} missing{implicit}. Fix: give all three")
+                        f"{', '.join(missing)} missing. Fix: give all three (or chosen and rejected each holding the "
+                        f"prompt: TRL's implicit-prompt form)")
     if "chat_template_kwargs" in record:
         raise PairError(f"{where}: \"chat_template_kwargs\" is not implemented (it would be ignored). Fix: drop it")
     values = [record[k] for k in ("prompt", "chosen", "rejected")]

@@ -354,6 +354,7 @@ def prepare_pairs(src: Path, out: Path, tokenizer, *, seq_len: int, eos: str | N
         pairs = {s: 0 for s in SPLITS}
         t0, stats = time.monotonic(), {"truncated": 0, "filled": [], "ties": []}
         for i, (record, where) in enumerate(_records(files)):
+            record = preference.explicit(record, where)  # TRL's implicit prompt taken apart
             kind = preference.kind_of(record, where)
             file = where.rsplit(":", 1)[0]
             first, at = kinds.setdefault(file, (kind, where))
