@@ -153,6 +153,28 @@ def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
     return _ChunkedLinearCrossEntropy.apply(flat_h, weight, flat_t, size, float(z_loss), group, start, grads)
 
 
+def _chunk_softmax(hc, w, tc, start: int, group, acc):
+    """One chunk's logits (hc @ w.T, this rank's vocabulary slice from `start`) turned in place into its
+    softmax numerators exp(logit - max) (one fp32 chunk alive), with what the losses need: the trained
+    tokens (keep), the targets in this slice's ids (local_t) and those it owns, the sums over the vocabulary
+    of the numerators and of the target's logit (sums: all-reduced over `group`, vocabulary parallel) and
+    each token's log-sum-exp."""
+    vocab = w.shape[0]
+    logits = (hc @ w.t()).to(acc)
+    keep = tc != IGNORE
+    local_t = tc - start
+    owned = keep & (local_t >= 0) & (local_t < vocab)
+    picked = logits.gather(1, local_t.clamp(0, vocab - 1)[:, None]).squeeze(1) * owned
+    top = logits.amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    probs = logits.sub_(top[:, None]).exp_()
+    sums = torch.stack((probs.sum(dim=-1), picked))
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return probs, keep, local_t, owned, sums, top + sums[0].log()
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """(h (n, dim), weight (vocab slice, dim), targets (n,)) -> the summed loss; see the module's docstring."""
 
@@ -170,26 +192,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             vocab = w.shape[0]
             for s in range(0, h.shape[0], chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]
-                logits = (hc @ w.t()).to(acc)
-                keep = tc != IGNORE
-                local_t = tc - start
-                owned = keep & (local_t >= 0) & (local_t < vocab)
-                picked = logits.gather(1, local_t.clamp(0, vocab - 1)[:, None]).squeeze(1) * owned
-                top = logits.amax(dim=-1)
-                if group is not None:
-                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-                # exp in place: the chunk's logits become its softmax numerators (one fp32 chunk alive)
-                probs = logits.sub_(top[:, None]).exp_()
-                sums = torch.stack((probs.sum(dim=-1), picked))
-                if group is not None:
-                    dist.all_reduce(sums, group=group)
-                lse = top + sums[0].log()
+                probs, keep, local_t, owned, sums, lse = _chunk_softmax(hc, w, tc, start, group, acc)
                 token = (lse - sums[1]) * keep
                 if z_loss:
                     token = token + z_loss * lse.pow(2) * keep
                 total += token.sum()
                 if not (want_h or want_w):
-                    del logits, probs
+                    del probs
                     continue
                 # d loss / d logit_j = softmax_j (1 + 2 z lse) - [j is the target], for trained tokens
                 scale = (1.0 + 2.0 * z_loss * lse) * keep / sums[0]
@@ -206,7 +215,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     rows = max(1, hc.shape[0] * vocab // (2 * hc.shape[1]))
                     for r in range(0, vocab, rows):
                         grad_w[r:r + rows] += (g[:, r:r + rows].t() @ hc).to(acc)
-                del logits, probs, g  # before the next chunk's logits are made: one chunk alive at a time
+                del probs, g  # before the next chunk's logits are made: one chunk alive at a time
         # Kept on ctx rather than saved for backward: they are gradients, not inputs to recompute from, and
         # backward scales them in place and lets them go (the graph's node may live on: a pipeline schedule
         # keeps every micro-batch's loss until the step ends).
@@ -241,26 +250,14 @@ class _ChunkedRowCrossEntropy(torch.autograd.Function):
         row_of = torch.arange(h.shape[0], device=h.device) // (h.shape[0] // rows)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(h.dtype)
-            vocab = w.shape[0]
             total = torch.zeros(rows, dtype=acc, device=h.device)
             lse_all = torch.empty(h.shape[0], dtype=acc, device=h.device)
             for s in range(0, h.shape[0], chunk):
-                tc = targets[s:s + chunk]
-                logits = (h[s:s + chunk] @ w.t()).to(acc)
-                keep = tc != IGNORE
-                local_t = tc - start
-                owned = keep & (local_t >= 0) & (local_t < vocab)
-                picked = logits.gather(1, local_t.clamp(0, vocab - 1)[:, None]).squeeze(1) * owned
-                top = logits.amax(dim=-1)
-                if group is not None:
-                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-                sums = torch.stack((logits.sub_(top[:, None]).exp_().sum(dim=-1), picked))
-                if group is not None:
-                    dist.all_reduce(sums, group=group)
-                lse = top + sums[0].log()
+                probs, keep, _, _, sums, lse = _chunk_softmax(h[s:s + chunk], w, targets[s:s + chunk], start,
+                                                              group, acc)
                 lse_all[s:s + chunk] = lse
                 total.index_add_(0, row_of[s:s + chunk], (lse - sums[1]) * keep)
-                del logits
+                del probs
         ctx.save_for_backward(h, weight, targets, lse_all, row_of)
         ctx.chunk, ctx.start = chunk, start
         return total
