@@ -395,7 +395,7 @@ def test_chunked_loss_on_cuda_equals_full_logits_and_liger():
     t[0, :100] = IGNORE
 
     def grads(fn, dtype):
-        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        hh, ww = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()  # leaves each time
         loss = fn(hh, ww)
         loss.backward()
         return loss.float(), hh.grad.float(), ww.grad.float()
@@ -420,3 +420,51 @@ def test_fp16_on_cuda_tracks_fp32_on_the_cpu(tmp_path, cpu_fp32):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert all("loss_scale" in r for r in rows if "loss" in r)
     close(losses(tmp_path), cpu_fp32, BF16_TOL)
+
+
+def test_dpo_row_losses_on_cuda_equal_the_whole_logits():
+    """DPO's per-sequence log-probabilities (train.objective=dpo: hpctrain's chunked head with a sum per row, its
+    backward making each chunk's logits again) on CUDA in bf16 against torch's cross-entropy of the whole fp32
+    logits: the sums and both gradients, each row weighted by its own incoming gradient."""
+    from hpctrain.models.loss import IGNORE, chunked_row_losses, full_row_losses
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4, 700, 512, device="cuda", generator=g)
+    w = torch.randn(32000, 512, device="cuda", generator=g) * 0.02
+    t = torch.randint(0, 32000, (4, 700), device="cuda", generator=g)
+    t[:, :300] = IGNORE  # the prompts
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0], device="cuda")
+
+    def grads(fn, dtype):
+        hh, ww = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()  # leaves each time
+        rows = fn(hh, ww)
+        (rows.float() * weights).sum().backward()
+        return rows.float(), hh.grad.float(), ww.grad.float()
+
+    ref = grads(lambda a, b: full_row_losses(a @ b.t(), t), torch.float32)
+    got = grads(lambda a, b: chunked_row_losses(a, b, t, 512), torch.bfloat16)
+    assert ((got[0] - ref[0]).abs() <= 1e-2 * ref[0].abs()).all(), (got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:]):
+        assert (a - b).norm() <= 2e-2 * b.norm()
+
+
+def test_qlora_nf4_base_on_cuda_equals_its_dequantised_weight():
+    """model.lora.quantize=nf4 on CUDA: the NF4 base's product (hpctrain.models.lora.NF4Base, dequantising in the
+    forward and again in the backward) in bf16 equals x times torchao's own dequantised weight, value and input
+    gradient; the weight stays 4-bit (about 0.52 byte a weight on the device)."""
+    from torchao.quantization import to_nf4
+
+    from hpctrain.models.lora import NF4Base
+    from hpctrain.parallel.quantize import nf4_bytes
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1024, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    q = to_nf4(w)
+    x = torch.randn(8, 512, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    y = NF4Base.apply(x, q)
+    y.float().square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = ref_x @ q.get_original_weight().to(torch.bfloat16).t()
+    ref.float().square().sum().backward()
+    assert torch.equal(y, ref) and torch.allclose(x.grad, ref_x.grad, rtol=1e-2, atol=1e-3)
+    assert nf4_bytes(q) <= 0.53 * w.numel()

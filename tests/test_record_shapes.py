@@ -13,6 +13,8 @@ import pytest
 from hpctrain.data import chat
 from hpctrain.data.prepare import prepare_records
 
+from test_finetune import tokenizer_dir  # the example tokenizer with another chat template
+
 # Qwen2.5's template: tools in the system turn, tool calls as <tool_call> blocks, an assistant message's
 # content only where there is one (`if message.content`), tool results grouped in a user turn.
 QWEN = """{%- if tools %}
@@ -195,23 +197,6 @@ TOOL_CALLS = [
                   {"role": "tool", "tool_call_id": "call_2", "content": "{\"temp\": 25}"},
                   {"role": "assistant", "content": "25 degrees.", "refusal": None}], "tools": TOOLS},
 ]
-
-
-def tokenizer_dir(example_corpus: Path, tmp: Path, template: str, name: str) -> Path:
-    """The example tokenizer (ChatML's <|im_start|>, <|im_end|>) with Llama 3's header tokens and BOS added,
-    and another chat template."""
-    from tokenizers import AddedToken, Tokenizer
-
-    d = tmp / name
-    d.mkdir()
-    tok = Tokenizer.from_file(str(example_corpus / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in
-                            ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|begin_of_text|>")])
-    tok.save(str(d / "tokenizer.json"))
-    cfg = json.loads((example_corpus / "tokenizer_config.json").read_text())
-    cfg.update(chat_template=template, bos_token="<|begin_of_text|>")
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return d
 
 
 def write_jsonl(path: Path, records: list) -> Path:
