@@ -641,3 +641,11 @@ def _offload(cfg: Config):
         problem = writable_dir_problem("offload.path", o.path)
         if problem:
             yield problem
+
+
+@_check
+def _recovery(cfg: Config):
+    """Memory snapshots, hot spares and in-process restart (issue 47): refused until they are built."""
+    if cfg.checkpoint.memory_every or cfg.cluster.spare_nodes:
+        yield ("checkpoint.memory_every and cluster.spare_nodes are not built yet. Fix: leave them at 0 "
+               "(disk checkpoints, checkpoint.every, recover every failure)")

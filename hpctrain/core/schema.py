@@ -475,6 +475,18 @@ class CheckpointConfig:
     auto: adapters under LoRA with model.init_from (and under QLoRA, which needs it), else full. Optimizer
     state, data position and RNG are in both, and a run resumes either kind whatever it saves
     (docs/checkpoints.md)."""
+    memory_every: int = 0
+    """Steps between in-memory snapshots of every rank's state (0 = off). Each is copied at the step's
+    end into a file on the node's tmpfs (checkpoint.memory_dir), checksummed in the background and
+    replicated by the node's agent to the next node (the same local rank there); a restart loads the
+    newest step every rank has a copy of, its own node's or the replica, and so redoes at most this many
+    steps; disk checkpoints go on at checkpoint.every. Turns on the node agents and the in-process
+    restart of surviving ranks (launcher local, slurm, sbatch; docs/recovery.md)."""
+    memory_dir: str = "/dev/shm"
+    """A tmpfs on every node where snapshots live (<memory_dir>/hpctrain-<job>-<run id>/)."""
+    memory_budget: float = 0.25
+    """Fraction of cluster.host_mem_gb the snapshots may take on a node (ranks per node x state x 4:
+    two steps, own and replica); above it the login node refuses, with the numbers."""
 
 
 @dataclass
@@ -634,6 +646,10 @@ class LauncherConfig:
     """`-m` sweeps as a Slurm job array: at most this many at once; 0 = no bound."""
     k8s: KubernetesConfig = field(default_factory=KubernetesConfig)
     """launcher=k8s settings."""
+    in_process: bool = True
+    """With checkpoint.memory_every: after a failure the surviving ranks stay alive and train on in the
+    same process with a new process group; only the lost ranks start fresh (forked from the node
+    agent's preloaded interpreter). false: every rank starts again."""
 
 
 @dataclass
@@ -697,6 +713,10 @@ class ClusterConfig:
     """Slurm partition (sbatch --partition); None = the cluster's default."""
     nodes: int = 1
     """Slurm: nodes to allocate."""
+    spare_nodes: int = 0
+    """Slurm: extra nodes allocated idle (an agent with torch loaded on each) that replace a lost node
+    inside the same job, without a requeue, its ranks restored from the replicas on their peers; needs
+    checkpoint.memory_every."""
     gpus_per_node: int = 0
     """Slurm: GPUs per node (sbatch --gpus-per-node); when set, one rank per GPU."""
     tasks_per_node: int = 1
