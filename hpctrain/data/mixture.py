@@ -62,11 +62,17 @@ class Mixture:
         s = int(owner[j])
         return s, b * self.quota[s] + int(rank[j])
 
-    def _locate(self, k: int) -> tuple:
-        """(the source dataset, its sample index) of stream position k."""
+    def sample_of(self, k: int) -> tuple[int, int, int]:
+        """(source, that source's epoch, the sample's index in the source) of stream position k: a pure
+        function of k, the weights and the seed, which tests compare across runs, resumes and layouts."""
         s, i = self.source_of(k)
         epoch, pos = divmod(i, len(self.datasets[s]))
-        return self.datasets[s], int(self._perm(s, epoch)[pos])
+        return s, epoch, int(self._perm(s, epoch)[pos])
+
+    def _locate(self, k: int) -> tuple:
+        """(the source dataset, its sample index) of stream position k."""
+        s, _, index = self.sample_of(k)
+        return self.datasets[s], index
 
     def __getitem__(self, k: int) -> np.ndarray:
         ds, index = self._locate(k)
