@@ -24,6 +24,8 @@ MUNGE_SOCK_DIR=/run/munge
 # to be told where it is.
 MYSQL_SOCK=/run/mysqld/mysqld.sock
 NODE_TIMEOUT=${HPCTRAIN_SLURM_TIMEOUT:-90}
+# Each emulated node's private /dev/shm (a tmpfs: only what is written uses memory).
+SHM_SIZE=${HPCTRAIN_SLURM_SHM:-2g}
 PACKAGES="slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
 
 say() { echo "start.sh: $*"; }
@@ -336,17 +338,31 @@ for f in "$S"/pids/slurmd-n*.pid "$S"/pids/slurmd-n*.ns; do
   case $i in *[!0-9]*) continue ;; esac
   [ "$i" -le "$N" ] || "$HERE/stop.sh" "$name"
 done
+# own_shm I: the running slurmd of nI has its private /dev/shm (a slurmd started
+# by an older start.sh shares the machine's, and is restarted).
+own_shm() {
+  local pid
+  pid=$(tr -dc 0-9 <"$S/pids/slurmd-n$1.pid" 2>/dev/null) || return 1
+  grep -qE "^[^ ]+ [^ ]+ [^ ]+ [^ ]+ /dev/shm .* - tmpfs shm-n$1 " "/proc/$pid/mountinfo" 2>/dev/null
+}
 for i in $(seq 1 "$N"); do
-  if alive "slurmd-n$i" slurmd "n$i" && [ -z "$restart_ctld" ]; then continue; fi
+  if alive "slurmd-n$i" slurmd "n$i" && own_shm "$i" && [ -z "$restart_ctld" ]; then continue; fi
   # Also clears whatever job processes a dead slurmd left in its namespace:
   # the node "reboots".
   "$HERE/stop.sh" "slurmd-n$i"
   say "starting slurmd n$i"
   # Own UTS namespace so `hostname` in a job says nI; own mount namespace so
-  # the hosts file can be bind-mounted over /etc/hosts for this node only.
-  # slurmd daemonizes and keeps both namespaces.
+  # the hosts file can be bind-mounted over /etc/hosts for this node only,
+  # and so that each node has its own RAM disk at /dev/shm (a tmpfs of up to
+  # $SHM_SIZE, allocated as used): what a job leaves there is invisible to the
+  # other nodes and gone with the node, as a real machine's memory is when it
+  # dies (kill_node.sh kills every process in the namespace; the namespace and
+  # its tmpfs end with the last of them). Without it all nodes would share the
+  # machine's /dev/shm, and a "lost" node's in-memory checkpoints would stay
+  # readable. slurmd daemonizes and keeps the namespaces.
   unshare --uts --mount --propagation private -- \
-    sh -c "hostname n$i && mount --bind '$S/etc/hosts' /etc/hosts && exec slurmd -N n$i" ||
+    sh -c "hostname n$i && mount --bind '$S/etc/hosts' /etc/hosts &&
+      mount -t tmpfs -o size=$SHM_SIZE,mode=1777,nosuid,nodev shm-n$i /dev/shm && exec slurmd -N n$i" ||
     die "slurmd n$i failed to start"
   wait_for 10 alive "slurmd-n$i" slurmd "n$i" || die "slurmd n$i did not stay up"
   # Remember the namespace: stop.sh kills everything in it (slurmstepd and
