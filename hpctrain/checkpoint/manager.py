@@ -22,7 +22,9 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import secrets
+import socket
 import shutil
 import threading
 import time
@@ -35,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hpctrain.checkpoint import directories as store
+from hpctrain.checkpoint.memory import RestoreRefused
+from hpctrain.checkpoint.snapfile import DamagedSnapshot
 from hpctrain.checkpoint.save_planner import ReusingSavePlanner
 from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
@@ -111,6 +115,10 @@ class CheckpointManager:
         self._pool = None
         self._checked: set = set()  # plain state objects whose state was found tensor-free
         self.loaded: Optional[Path] = None  # the checkpoint this run resumed from: retention keeps it
+        # hpctrain.checkpoint.memory.MemorySnapshots, which sets itself here: resume then tries memory first
+        self.memory = None
+        self.restored: Optional[dict] = None  # what resume loaded, as restored.json records it
+        self._tainted: Optional[str] = None  # a memory restore failed after changing the state: why
 
     # ---------------------------------------------------------------- policy
 
@@ -220,12 +228,19 @@ class CheckpointManager:
             self._abandon(p.tmp, p.step, e)
         self._commit(p)
 
-    def close(self) -> None:
-        """The end of a run: the last save is on disk and old checkpoints are deleted."""
-        self.wait()
+    def close(self, wait: bool = True) -> None:
+        """The end of a run: the last save is on disk and old checkpoints are deleted. wait=False is the
+        teardown after a failure (the Trainer is rebuilt in this process): a save in flight is dropped, not
+        waited for (its collectives may never return), and the memory snapshot writer is stopped."""
+        if wait:
+            self.wait()
+        else:
+            self.pending = None  # left incomplete on disk: resume ignores it, the next commit's retention removes it
+        if self.memory is not None:
+            self.memory.close(wait=wait)
         self._join_purge()
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(wait=wait)
             self._pool = None
 
     def _join_purge(self) -> None:
@@ -331,17 +346,92 @@ class CheckpointManager:
 
     def resume(self, on_warning: Callable[[str], None]) -> Optional[int]:
         """Load the newest usable checkpoint into every state object; returns its step, or None when
-        the run directory holds none. Damaged ones are skipped with a warning naming the fault."""
+        the run directory holds none. Damaged ones are skipped with a warning naming the fault.
+        With memory snapshots (self.memory) and a plan of this generation, the newest snapshot every
+        rank has is loaded instead where it is at least as new as the disk's (_resume_memory), and
+        rank 0 records which in attempts/<generation>/restored.json."""
         problem = overwrite_problem(self.run_dir, self.cfg.resume)
         if problem:
             raise NoUsableCheckpoint(problem)
         if not self.cfg.resume:
             return None
+        if self.memory is None:
+            return self._resume_disk(on_warning)
+        step, why = self._resume_memory()
+        if step is not None:
+            return step
+        log.info("resuming from disk: %s", why)
+        step = self._resume_disk(on_warning)
+        self._record({"kind": "disk", "step": step, "why": why})
+        return step
+
+    def _resume_memory(self) -> tuple[Optional[int], str]:
+        """(step, "") after loading the memory snapshot memory_plan.choose picks, or (None, why not). Every
+        rank takes the same branches: the inventories and the verdicts are gathered."""
+        from hpctrain.checkpoint.memory_plan import choose, describe
+
+        plan = self.memory.plan
+        if plan is None:
+            return None, "no plan for this generation (attempts/<N>/plan.json): memory restore is off"
+        if self.cfg.load_step is not None:
+            return None, f"checkpoint.load_step={self.cfg.load_step} names a disk checkpoint"
+        complete = store.list_complete(self.root) if self.rank == 0 else []
+        mine = (socket.gethostname(), self.memory.inventory(), complete[-1][0] if complete else None)
+        gathered = self._gather(mine)
+        inventories: dict = {}
+        for host, inv, _ in gathered:
+            inventories.setdefault(host, []).extend(inv)
+        choice = choose(inventories, self.world, gathered[0][2], plan)
+        if choice["kind"] != "memory":
+            return None, choice["why"]
+        step = choice["step"]
+        self._saved_state = None
+        state = self._tensor_state()
+        loaded, fault = None, None
+        try:
+            loaded = self.memory.prepare(step, choice["source"][str(self.rank)], plan, state)
+        except Exception as e:  # noqa: BLE001 - a rank that raised here would leave the others in the collective
+            fault = str(e) if isinstance(e, (DamagedSnapshot, RestoreRefused)) else _first_line(e)
+        fault = self._first_fault(fault)
+        if fault is None:
+            try:
+                loaded.apply(self.objects)
+            except Exception as e:  # noqa: BLE001 - as above
+                fault = f"{loaded.path} could not be loaded: {_first_line(e)}"
+            fault = self._first_fault(fault)
+            if fault is not None:  # the state is part memory's now: only a complete load may replace it
+                self._tainted = fault
+        if fault is not None:
+            return None, f"the memory snapshot of step {step} is unusable: {fault}"
+        self._restore(state)
+        self.last_saved = None  # nothing of this state is on disk
+        if self.rank == 0:
+            log.info("%s", describe(choice))
+        self._record(choice)
+        return step, ""
+
+    def _record(self, what: dict) -> None:
+        """restored.json of this generation (rank 0): how the resume went, for the supervisor and people."""
+        self.restored = what
+        if self.rank == 0:
+            from hpctrain.core import faults
+            from hpctrain.core.rundir import attempt_dir
+
+            d = attempt_dir(self.run_dir, faults.attempt())
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / "restored.json.tmp"
+            tmp.write_text(json.dumps(what) + "\n")
+            os.replace(tmp, d / "restored.json")
+
+    def _resume_disk(self, on_warning: Callable[[str], None]) -> Optional[int]:
         for path in store.list_incomplete(self.root):
             on_warning(f"ignoring {path}: it is not a complete checkpoint (no {store.DCP_METADATA} or "
                        f"{store.INFO}; a save was interrupted, or files were removed)")
         cands = self.candidates()
         if not cands:
+            if self._tainted:
+                raise NoUsableCheckpoint(f"a memory restore failed after loading part of the state "
+                                         f"({self._tainted}) and {self.root} holds no checkpoint to replace it")
             return None
         self._saved_state = None  # a load may replace tensors
         problems = []
@@ -363,7 +453,7 @@ class CheckpointManager:
                 verdict = self._first_fault(nonfinite_message(bad, self.rank) if bad else self._load_plain(path, plain))
             if verdict is None:
                 self._restore(state)
-                self.loaded = path
+                self.loaded, self._tainted = path, None
                 if problems:
                     on_warning(f"resumed from the older checkpoint {path.name} instead")
                 self.last_saved = step

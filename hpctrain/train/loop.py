@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.checkpoint.memory import MemorySnapshots, current_plan
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset, eos_id
 from hpctrain.train.batch import BatchLayout
@@ -165,6 +167,11 @@ class Trainer:
             state["scaler"] = self.scaler
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint, state, total_steps=cfg.train.steps,
                                       meta={"layout": asdict(self.spec.layout), "config": to_dict(cfg)})
+        # checkpoint.memory_every: snapshots into the node's memory directory, which the node agent makes
+        # and names (HPCTRAIN_MEMORY_DIR); without an agent (torchrun, tests of the loop alone) there are none.
+        memory_dir = os.environ.get("HPCTRAIN_MEMORY_DIR")
+        self.snapshots = (MemorySnapshots(self.ckpt, memory_dir, cfg.checkpoint.memory_every, current_plan(run_dir))
+                          if cfg.checkpoint.memory_every > 0 and memory_dir else None)
         self._val_data = None
         self.resumed_from: int | None = None
         self.stragglers = Stragglers(cfg.launcher.straggler_ratio, cfg.launcher.straggler_steps)
@@ -184,6 +191,11 @@ class Trainer:
 
     def save(self, blocking: bool = True) -> None:
         self.ckpt.save(self.step, blocking=blocking)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the checkpoint threads (fit does at a run's end). wait=False: the teardown after a failure,
+        before this process builds a new Trainer: nothing in flight is waited for."""
+        self.ckpt.close(wait=wait)
 
     def resume(self, warn) -> None:
         """Continue from the newest complete checkpoint in the run directory, if there is one; else
@@ -552,6 +564,8 @@ class Trainer:
                 first = False
                 losses.append(loss_v)
                 val = self.evaluate(beat) if self._eval_due() else None
+                # checkpoint.memory_every: the state after this step, copied before anything else runs
+                flags = {**flags, **(self.snapshots.after_step(self.step) if self.snapshots else {})}
                 if mem is None:  # with profile.memory the row waits for the step's save, to carry its peak
                     self._log(logger, loss_v, norm_v, lr, dt, val, extra=flags)
                 if preemption.agreed(self.device if self.device.type == "cuda" else None):
@@ -633,7 +647,8 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, self.cfg.train.steps,
                                trackers=from_config(self.cfg, self.run_dir, self.step))
         if self.resumed_from is not None:
-            logger.event(f"resumed from checkpoint step {self.resumed_from}")
+            memory = (self.ckpt.restored or {}).get("kind") == "memory"
+            logger.event(f"resumed from {'memory snapshot' if memory else 'checkpoint'} step {self.resumed_from}")
         return logger
 
     def _log(self, logger, loss: float, norm: float, lr: float, dt: float, val: float | None = None,
