@@ -33,30 +33,28 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return losses(d)
 
 
-def test_crashed_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
-    """Rank 1 segfaults after step 6: it leaves its stack in its log (mutant: no faulthandler in the rank
-    entry), the launcher says whom it stopped, and the restarted run matches the uninterrupted one."""
-    proc = run_cli(*COMMON, f"run.dir={tmp_path}", env={"HPCTRAIN_FAULT": "crash:step=6,rank=1,signal=SEGV"})
-    assert "crashed: rank 1 was killed by SIGSEGV" in proc.stderr and "completed at step 8" in proc.stderr
+def test_crashed_then_hung_rank_restarts_by_itself_bit_for_bit(tmp_path, uninterrupted):
+    """One run, two failures (one launcher and three starts instead of two launchers and four starts; each
+    failure is checked as when it had a run of its own). Rank 1 segfaults after step 6: it leaves its stack
+    in its log (mutant: no faulthandler in the rank entry), the launcher says whom it stopped. The restart
+    (attempt 1, from step 4) hangs on rank 1 at step 6: the watchdogs name it with every stack, and the second
+    restart finishes. The losses match the uninterrupted run's to the last bit."""
+    proc = run_cli(*COMMON, f"run.dir={tmp_path}", "launcher.hang_timeout_s=3",
+                   env={"HPCTRAIN_FAULT": "crash:step=6,rank=1,signal=SEGV;hang:step=6,rank=1,attempt=1"})
+    assert "crashed: rank 1 was killed by SIGSEGV" in proc.stderr and "completed at step 8" in proc.stderr, \
+        proc.stderr[-3000:]
     log = (tmp_path / "logs" / "rank-1.log").read_text()
     assert "Fatal Python error: Segmentation fault" in log and "after_step" in log and "loop.py" in log, log[-3000:]
-    assert losses(tmp_path) == uninterrupted  # resumed from step 4, the same numbers to the last bit
-    (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
-    assert (rec["cause"], rec["ranks"], rec["checkpoint_step"]) == ("crashed", [1], 4)
-    assert rec["steps_redone"] >= 1 and rec["recover_s"] > 0 and rec["first_step_at"] > rec["restarted_at"]
+    assert losses(tmp_path) == uninterrupted  # resumed from step 4 twice, the same numbers to the last bit
+    crashed, hung = read_jsonl(tmp_path / "interruptions.jsonl")
+    assert (crashed["cause"], crashed["ranks"], crashed["checkpoint_step"]) == ("crashed", [1], 4), crashed
+    assert crashed["steps_redone"] >= 1 and crashed["recover_s"] > 0 and crashed["first_step_at"] > crashed["restarted_at"]
     attempts = read_jsonl(tmp_path / "attempts.jsonl")
-    assert [a["rc"] for a in attempts] == [128 + 11, 0]
+    assert len(attempts) == 3 and attempts[0]["rc"] == 128 + 11 and attempts[-1]["rc"] == 0, attempts
 
-
-def test_hung_rank_is_named_with_every_stack_and_restarted(tmp_path, uninterrupted):
-    proc = run_cli(*COMMON, f"run.dir={tmp_path}", "launcher.hang_timeout_s=3",
-                   env={"HPCTRAIN_FAULT": "hang:step=6,rank=1"})
-    assert "completed at step 8" in proc.stderr, proc.stderr[-3000:]
-    assert losses(tmp_path) == uninterrupted
-    (rec,) = read_jsonl(tmp_path / "interruptions.jsonl")
-    assert (rec["cause"], rec["ranks"]) == ("hung", [1]), rec
-    assert "rank(s) 1 had not reached collective" in rec["detail"] and "at step 6" in rec["detail"]
-    hang = tmp_path / "attempts" / "0"
+    assert (hung["cause"], hung["ranks"]) == ("hung", [1]), hung
+    assert "rank(s) 1 had not reached collective" in hung["detail"] and "at step 6" in hung["detail"]
+    hang = tmp_path / "attempts" / "1"
     # Found by the watchdogs with the configured silence (not by a collective timing out much later:
     # that would be an error on some rank, not a report from each).
     for r in (0, 1):
