@@ -179,7 +179,8 @@ class MemorySnapshots:
         self.taken = 0
         self.off: Optional[str] = None  # why snapshots stopped (a full tmpfs), once
         self._nonce = secrets.token_hex(3)
-        self._made = 0
+        self._made = 0  # slot file names given
+        self.slot_files = 0  # slot files made (SLOTS when they are reused as they should be)
         self._free: list[_Slot] = []
         self._complete: dict[str, _Slot] = {}  # final file name -> its slot
         self._pinned: Optional[torch.Tensor] = None
@@ -266,8 +267,12 @@ class MemorySnapshots:
             self._cv.notify()
 
     def _new_slot(self) -> _Slot:
+        self.slot_files += 1
+        return _Slot(self._slot_name())
+
+    def _slot_name(self) -> Path:
         self._made += 1
-        return _Slot(self.own / f"{snapfile.TMP_PREFIX}slot{self._made}-r{self.rank:05d}-{self._nonce}")
+        return self.own / f"{snapfile.TMP_PREFIX}slot{self._made}-r{self.rank:05d}-{self._nonce}"
 
     def _drop(self, slot: _Slot) -> None:
         slot.unmap()
@@ -282,10 +287,8 @@ class MemorySnapshots:
                     return
                 job = self._job
             try:
-                if not self._abandon:
-                    self._finish(job)
-                else:
-                    self._free.append(job.slot)
+                if self._abandon or not self._finish(job):
+                    self._free.append(job.slot)  # close(wait=False): not published
             except Exception as e:  # noqa: BLE001 - a snapshot lost is logged; training goes on
                 log.warning("memory snapshot of step %d not written: %s: %s", job.step, type(e).__name__, e)
                 self._drop(job.slot)
@@ -293,7 +296,8 @@ class MemorySnapshots:
                 self._job = None
                 self._cv.notify_all()
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job) -> bool:
+        """Checksum, header, rename, prune; False when close(wait=False) came first (nothing published)."""
         slot = job.slot
         if job.event is not None:
             job.event.synchronize()
@@ -305,11 +309,14 @@ class MemorySnapshots:
             self._reserve = 0  # the states grew past the room left: the next snapshot makes more
             raise
         slot.mm[:len(head)] = head
+        if self._abandon:
+            return False
         final = snapfile.name(job.step, self.rank)
         os.replace(slot.path, self.own / final)
         slot.path = self.own / final
         self._complete[final] = slot
         self._prune(job.step)
+        return True
 
     def _prune(self, newest: int) -> None:
         """This rank's files in own/: the KEEP newest steps up to `newest`; later ones are a future a
@@ -323,7 +330,7 @@ class MemorySnapshots:
             slot = self._complete.pop(f, None)
             try:
                 if slot is not None and len(self._free) < SLOTS:
-                    fresh = self._new_slot().path
+                    fresh = self._slot_name()
                     os.replace(self.own / f, fresh)
                     slot.path = fresh
                     self._free.append(slot)
