@@ -162,6 +162,8 @@ RANGES: dict[str, Range] = {
                                                "(one expert takes every token)"),
     "model.lora.alpha": Range(**ABOVE_0, why="the update is scaled by alpha / rank"),
     "model.lora.dropout": Range(**UNIT_OPEN, why="a probability; 1 would drop every input"),
+    "checkpoint.memory_budget": Range(**SHARE, why="the share of cluster.host_mem_gb memory snapshots may take "
+                                                   "on a node"),
     "optim.lr": Range(**ABOVE_0, why="the peak learning rate"),
     "optim.min_lr_ratio": Range(high=1.0, high_open=False, why="the floor of the decay, a share of optim.lr"),
     "optim.weight_decay": Range(why="0: no decay; a negative one grows the weights"),
@@ -643,9 +645,114 @@ def _offload(cfg: Config):
             yield problem
 
 
+# Launchers that start hpctrain's node agents (hpctrain.launch.supervise), which memory snapshots need
+AGENT_LAUNCHERS = ("local", "slurm", "sbatch")
+# Launchers whose allocation can hold idle spare nodes
+SPARE_LAUNCHERS = ("slurm", "sbatch")
+
+
+def recovery_problems(cfg: Config) -> list[str]:
+    """Why checkpoint.memory_* and cluster.spare_nodes cannot run as set, each with a fix (checkpoint.
+    memory_budget's range is RANGES'; memory_dir being a tmpfs is the node agent's to check: only the
+    node sees it)."""
+    ck, c, launcher = cfg.checkpoint, cfg.cluster, str(cfg.launcher.name)
+    out: list[str] = []
+    if ck.memory_every < 0:
+        out.append(f"checkpoint.memory_every={ck.memory_every} must be 0 (no memory snapshots) or the steps between "
+                   "two. Fix: checkpoint.memory_every=0, or 1 (every step)")
+    if c.spare_nodes < 0:
+        out.append(f"cluster.spare_nodes={c.spare_nodes} must be 0 or more (idle nodes that replace a lost one). "
+                   "Fix: cluster.spare_nodes=0 (the default)")
+    elif c.spare_nodes > 0:
+        if launcher not in SPARE_LAUNCHERS:
+            out.append(f"cluster.spare_nodes={c.spare_nodes} asks Slurm for idle nodes to replace a lost one, and "
+                       f"launcher={launcher} runs without a Slurm allocation. Fix: launcher=sbatch (or slurm), or "
+                       "cluster.spare_nodes=0")
+        if ck.memory_every <= 0:
+            out.append(f"cluster.spare_nodes={c.spare_nodes}: a spare takes a lost node's ranks from the replicas "
+                       "of their memory snapshots, and checkpoint.memory_every=0 takes none. Fix: "
+                       "checkpoint.memory_every=1, or cluster.spare_nodes=0")
+    if ck.memory_every > 0:
+        out += _memory_snapshot_problems(cfg)
+    return out
+
+
+def _memory_snapshot_problems(cfg: Config) -> list[str]:
+    ck, launcher = cfg.checkpoint, str(cfg.launcher.name)
+    off = "or checkpoint.memory_every=0 (disk checkpoints alone, checkpoint.every)"
+    out = []
+    if launcher not in AGENT_LAUNCHERS:
+        out.append(f"checkpoint.memory_every={ck.memory_every} needs hpctrain's node agents, which "
+                   f"launcher={launcher} does not start. Fix: launcher=sbatch (or slurm, local), {off}")
+    if not os.path.isabs(ck.memory_dir):
+        out.append(f"checkpoint.memory_dir={ck.memory_dir} must be an absolute path (a tmpfs on every node; the "
+                   f"ranks start in other directories). Fix: checkpoint.memory_dir=/dev/shm")
+    if str(cfg.offload.target) == "nvme":
+        out.append("checkpoint.memory_every with offload.target=nvme: the optimizer state lives in files on the "
+                   f"node's NVMe, which a memory snapshot does not hold. Fix: offload.target=cpu (or none), {off}")
+    if str(cfg.model.lora.quantize) == "nf4" and cfg.model.lora.rank > 0:
+        out.append("checkpoint.memory_every with model.lora.quantize=nf4 (QLoRA): its snapshots could hold the "
+                   "adapters alone, and every restore would re-read the base from model.init_from. Fix: "
+                   f"model.lora.quantize=none (LoRA on a base kept in the compute dtype), {off}")
+    elif _checkpoint_weights(cfg) == "adapters":
+        asked = str(ck.weights)
+        out.append(f"checkpoint.memory_every with checkpoint.weights={asked}"
+                   + (" (adapters here: LoRA with model.init_from)" if asked == "auto" else "")
+                   + ": snapshots would hold the adapters alone, and every restore would re-read the base from "
+                   f"model.init_from. Fix: checkpoint.weights=full, {off}")
+    if not _layout_checked(cfg):
+        return out  # the layout's own refusals say why; the budget needs its spec
+    from hpctrain.plan.memory import job_of
+    from hpctrain.plan.snapshots import snapshot_cost
+
+    cost = snapshot_cost(job_of(cfg))
+    if cost is not None and 0 < ck.memory_budget <= 1 and cfg.cluster.host_mem_gb > 0 and not cost.fits:
+        out.append(_budget_problem(cost))
+    return out
+
+
+def _checkpoint_weights(cfg: Config) -> str:
+    """checkpoint.weights as the engine resolves `auto` (EngineSpec.checkpoint_weights): its one rule, which
+    reads the config and the LoRA settings alone, applied without a layout (one that does not divide
+    yet still gets this refusal in the same go)."""
+    from types import SimpleNamespace
+
+    from hpctrain.core.spec import EngineSpec, lora_of
+
+    return EngineSpec.checkpoint_weights.fget(SimpleNamespace(config=cfg, lora=lora_of(cfg.model)))
+
+
+def _layout_checked(cfg: Config) -> bool:
+    """The sizes are positive and the layout is one the rule book accepts: its spec can be priced."""
+    return not list(_positive(cfg)) and not list(_rule_book(cfg))
+
+
+def _budget_problem(cost) -> str:
+    from hpctrain.plan.memory import GiB, gib
+
+    share = math.ceil(cost.node_bytes / (cost.host_mem_gb * GiB) * 100) / 100
+    raise_budget = (f"checkpoint.memory_budget={share:g} where the node can spare that much, "
+                    if share <= 1 else "")
+    return (f"memory snapshots take {gib(cost.node_bytes)} per node ({cost.arithmetic()}) > "
+            f"{cost.against_budget()}. Fix: {raise_budget}cluster.host_mem_gb=<the nodes' memory, GiB> where "
+            "they have more, more ranks to shard the state over (parallel.zero=3, more cluster.nodes), or "
+            "checkpoint.memory_every=0 (disk checkpoints alone)")
+
+
+def recovery_advice(cfg: Config) -> list[str]:
+    """What the login node warns about memory snapshots without refusing (for advice())."""
+    c = cfg.cluster
+    if cfg.checkpoint.memory_every > 0 and str(cfg.launcher.name) in SPARE_LAUNCHERS and c.nodes == 1:
+        return ["cluster.nodes=1 with checkpoint.memory_every: a snapshot's replica goes to another node, and "
+                "there is none: a crash or hang restores from this node's memory, but a lost node falls back "
+                "to the newest disk checkpoint (checkpoint.every)"]
+    return []
+
+
 @_check
 def _recovery(cfg: Config):
-    """Memory snapshots, hot spares and in-process restart (issue 47): refused until they are built."""
+    """Memory snapshots, hot spares and in-process restart (issue 47)."""
+    yield from recovery_problems(cfg)
     if cfg.checkpoint.memory_every or cfg.cluster.spare_nodes:
         yield ("checkpoint.memory_every and cluster.spare_nodes are not built yet. Fix: leave them at 0 "
                "(disk checkpoints, checkpoint.every, recover every failure)")

@@ -34,13 +34,21 @@ def extra_options(extra: Any) -> dict[str, Any]:
     return out
 
 
+def allocated_nodes(cluster: ClusterConfig) -> int:
+    """Nodes the run's job asks Slurm for: those its ranks run on and the idle spares (a negative
+    cluster.spare_nodes is refused by the config checks)."""
+    return cluster.nodes + max(0, cluster.spare_nodes)
+
+
 def allocation(cluster: ClusterConfig, job_name: str, nodes: Optional[int] = None, tasks_per_node: Optional[int] = None,
                more: Optional[dict] = None) -> dict[str, Any]:
-    """The allocation for `nodes` (default cluster.nodes) x `tasks_per_node` (default one per GPU,
-    else cluster.tasks_per_node), with the cluster's partition, account and limits, then the
-    launcher's own options `more`, then cluster.sbatch_extra (which may override any of them)."""
+    """The allocation for `nodes` (default the run's: cluster.nodes + cluster.spare_nodes) x
+    `tasks_per_node` (default one per GPU, else cluster.tasks_per_node), with the cluster's partition,
+    account and limits, then the launcher's own options `more`, then cluster.sbatch_extra (which may
+    override any of them). Spares are in the allocation only: the supervisor starts ranks on the first
+    cluster.nodes nodes, and the world is counted from cluster.nodes (hpctrain.core.spec.world_size)."""
     c = cluster
-    d: dict[str, Any] = {"job-name": job_name, "nodes": nodes or c.nodes,
+    d: dict[str, Any] = {"job-name": job_name, "nodes": nodes or allocated_nodes(c),
                          "ntasks-per-node": tasks_per_node or ranks_per_node(c)}
     if c.gpus_per_node > 0:
         d["gpus-per-node"] = c.gpus_per_node

@@ -1,8 +1,8 @@
 """launcher=sbatch: a self-contained batch script the user submits with plain `sbatch`.
 
 `sbatch_script(cfg, run_dir, python)` is pure (same input, same text; it reads no environment): the
-`#SBATCH` lines ask for what launcher=slurm would (nodes x tasks, `--signal=USR2@<lead>` to every
-task, `--requeue`, `--no-kill`, `--open-mode=append`, the supervisor's log in
+`#SBATCH` lines ask for what launcher=slurm would (nodes x tasks, cluster.spare_nodes more nodes,
+`--signal=USR2@<lead>` to every task, `--requeue`, `--no-kill`, `--open-mode=append`, the supervisor's log in
 <run_dir>/logs/slurm-<jobid>.out), the body runs cluster.setup as written, exports cluster.env and
 starts the run's supervisor (`python -m hpctrain.launch.supervise <run_dir>`), which starts one rank
 per task with srun, restarts them after a failure and requeues the job after a preemption save
@@ -112,6 +112,14 @@ def _problems(cfg: Config, run_dir: str, pythonpath: Optional[str], array_dirs: 
     return found
 
 
+def spare_comment(spares: int) -> list[str]:
+    """The script's word on cluster.spare_nodes (--nodes counts them): none without spares."""
+    if spares <= 0:
+        return []
+    return [f"# --nodes holds {spares} spare node(s) besides, idle (their agents started) until a node is lost;",
+            "# a spare then takes its ranks, restored from the replicas of their memory snapshots, in the same job."]
+
+
 def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[str] = None,
                   array_dirs: Optional[list[str]] = None, array_parallelism: int = 0,
                   array_cfgs: Optional[list[Config]] = None) -> str:
@@ -160,7 +168,7 @@ def sbatch_script(cfg: Config, run_dir: str, python: str, pythonpath: Optional[s
     lines += ["",
               f"# {c.nodes} node(s) x {ranks_per_node(c)} task(s), one rank per task, started by the supervisor",
               "# with srun; after a failure it starts them again from the newest checkpoint.",
-              supervisor, ""]
+              *spare_comment(c.spare_nodes), supervisor, ""]
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from hpctrain.core.spec import Layout
 from hpctrain.core.flops import param_counts, train_flops_per_token
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
+from hpctrain.plan.snapshots import COPIES, snapshot_cost
 from hpctrain.plan.context import attention_kept
 from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, megatron_flops_per_token, throughput
 
@@ -69,7 +70,27 @@ def plan_dict(p: Plan) -> dict:
             "hw_tflops_per_gpu": t.hw_tflops_per_gpu, "flops_per_token": flops_per_token(j),
             "megatron_tflops_per_gpu": megatron_tflops(p, recompute=False),
             "megatron_eq3_tflops_per_gpu": megatron_tflops(p, recompute=True),
-            "bubble_fraction": t.bubble_fraction, "time_breakdown_s": t.breakdown, "collectives": t.collectives}
+            "bubble_fraction": t.bubble_fraction, "time_breakdown_s": t.breakdown, "collectives": t.collectives,
+            "nodes": j.cluster.nodes, "spare_nodes": max(0, j.cluster.spare_nodes),
+            "memory_snapshots": snapshots_dict(j)}
+
+
+def snapshots_dict(j: Job) -> Optional[dict]:
+    """plan.json's memory snapshots (checkpoint.memory_every): what they take on a node against the
+    budget; None where they are off."""
+    cost = snapshot_cost(j)
+    if cost is None:
+        return None
+    return {"every": cost.every, "bytes_per_rank": cost.rank_bytes, "ranks_per_node": cost.ranks_per_node,
+            "copies": COPIES, "bytes_per_node": cost.node_bytes, "budget_bytes": cost.budget_bytes}
+
+
+def spares_line(c: ClusterConfig) -> str:
+    """"2 nodes + 1 spare (idle until a node is lost)"; "" without spares."""
+    if c.spare_nodes <= 0:
+        return ""
+    return (f"{words.plural(c.nodes, 'node')} + {words.plural(c.spare_nodes, 'spare')} (idle until a node is lost; "
+            f"the job asks Slurm for {c.nodes + c.spare_nodes})")
 
 
 def describe(job: Job) -> str:
@@ -118,6 +139,9 @@ def summary(p: Plan) -> str:
              f"host per node {gib(m.host_per_node)} of {gib(m.host_limit)}: " + _parts(m.host_per_rank, gib)
              + f" per rank x {m.ranks_per_node}"
              + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
+             *([spares_line(c)] if c.spare_nodes > 0 else []),
+             *([snapshots.describe() + ("" if snapshots.fits else " (over the budget: refused)")]
+               if (snapshots := snapshot_cost(j)) else []),
              f"step {t.step_time_s:.3g} s ({words.plural(j.microbatches, 'micro-batch', 'micro-batches')} of "
              f"{j.spec.micro_batch} x {j.spec.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
