@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return 2
+    if de.launcher == "agent":  # forked by a node agent: generations in this process
+        return generations(run_dir, preemption)
     spec = engine_spec(cfg, de.world)
     refused = rules.problems(spec)  # the login node's rule book, for a start it did not check (torchrun, mpiexec)
     if refused:
@@ -114,6 +116,95 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def generations(run_dir: Path, preemption: Preemption) -> int:
+    """A rank started by a node agent (checkpoint.memory_every > 0): train in generation after
+    generation, in this process, until the run ends or the supervisor replaces this rank
+    (hpctrain.distributed.generation). The health check runs once, in the process's first generation."""
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
+    from hpctrain.distributed import generation as gen
+    from hpctrain.distributed import health
+    from hpctrain.train.loop import Trainer
+    from hpctrain.train.watchdog import Watchdog
+
+    first = True
+    while True:
+        g = faults.attempt()
+        cfg = load(run_dir / "config.yaml")  # the supervisor may have re-planned it for fewer nodes
+        de = detect()
+        adir = attempt_dir(run_dir, g)
+        adir.mkdir(parents=True, exist_ok=True)
+        spec = engine_spec(cfg, de.world)
+        trainer = watchdog = None
+        step = None
+        try:
+            backend = backend_for(cfg.launcher.backend, spec.device, torch.cuda.is_available())
+            if backend == "nccl":  # no tested abort of a NCCL communicator yet: every rank restarts
+                cfg.launcher.in_process = False
+            nccl.apply(backend, {k: str(v) for k, v in cfg.cluster.env.items()}, de.rank,
+                       dump_prefix=str(adir / "nccl-trace-rank-"))
+            device = init(de, backend, cfg.launcher.timeout_s, cfg.train.threads)
+            log.info("rank %d of %d on %s (generation %d%s)", de.rank, de.world, socket.gethostname(), g,
+                     "" if first else ", in the same process")
+            where_ranks_run(adir)
+            hang_s = cfg.launcher.hang_timeout_s or 60.0
+            # The watchdog stays the backstop for a rank stuck outside collectives; the collectives'
+            # own timeout (hang_s) frees the survivors first.
+            watchdog = Watchdog(adir, de.rank, 2 * hang_s, cfg.launcher.timeout_s,
+                                groups=lambda: {"world": dist.group.WORLD}).start()
+            # A collective of every rank: only in a generation where every rank is new (survivors do
+            # not run it again, and a rank forked to join them would wait in it alone).
+            plan = gen.read_plan(run_dir, g) or {}
+            if first and not plan.get("survivors") and cfg.launcher.health.enabled:
+                watchdog.beat(0, "health")
+                if not health.check(adir, device, cfg.launcher.health.slowdown).ok:
+                    return health.EXIT_UNHEALTHY
+            first = False
+            trainer = Trainer(spec, str(run_dir), device)
+            if not preemption._previous:  # a failed generation's fit uninstalled it; a signal still counts
+                preemption.install()
+            armed = gen.ArmingWatchdog(watchdog, hang_s, keep=lambda: [getattr(trainer.ckpt, "_pg", None)])
+            outcome = trainer.fit(preemption, armed)
+            if de.rank == 0:
+                log.info("%s at step %d", outcome.status, outcome.step)
+            return 0
+        except (BootstrapError, NoUsableCheckpoint, SaveFailed) as e:
+            log.error("%s", e)
+            report_error(adir, de.rank, e)
+            return 2
+        except KeyboardInterrupt as e:
+            report_error(adir, de.rank, e)
+            log.error("stopped at once by a second SIGINT (Ctrl-C), without saving")
+            return 130
+        except BaseException as e:  # noqa: BLE001 - reported, then this rank waits for the next generation
+            step = getattr(trainer, "step", None)
+            if gen.is_timeout(e):
+                gen.hang_report(adir, de.rank, e, step)
+                log.error("a collective timed out at step %s (a peer made no progress): waiting for the "
+                          "supervisor's next generation", step)
+            else:
+                report_error(adir, de.rank, e)
+                if is_echo(e):
+                    log.error("a collective failed because a peer rank went away (%s): waiting for the "
+                              "supervisor's next generation", first_line(e))
+                else:
+                    traceback.print_exc()
+            if not cfg.launcher.in_process:
+                return 1
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+        gen.teardown(trainer)
+        del trainer
+        nxt = gen.wait_next(run_dir, g, de.rank, cfg.launcher.timeout_s)
+        if nxt is None:
+            log.error("no next generation keeps this rank: ending")
+            return 1
+        os.environ.update(gen.rank_env(gen.read_plan(run_dir, nxt), de.rank))
 
 
 def where_ranks_run(adir: Path) -> None:

@@ -24,6 +24,7 @@ allocation kept alive with --no-kill, and requeue a job without a node. Both are
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from hpctrain.core.rundir import (ATTEMPTS, INTERRUPTIONS, STALE_S, STOPPED, Run
                              check_run_dir, clear_outcome, layout_problem, list_complete, read_jsonl, read_outcome,
                              write_atomic, write_jsonl)
 from hpctrain.core.spec import world_size
-from hpctrain.launch.runners import LocalRunner, SrunRunner
+from hpctrain.launch.runners import AgentRunner, LocalRunner, SrunRunner
 
 
 # How long the job's supervisor waits for a holder of the run's lock that may be gone: the job's own
@@ -69,6 +70,7 @@ class Supervisor:
         self.cfg = load(self.run_dir / "config.yaml")
         self.excluded: list[str] = []
         self.stopping = 0  # the signal a person (or scancel) sent the supervisor, or 0
+        self.attempt = 0  # the start running now
         self._polled = 0.0
 
     # ------------------------------------------------------------------ the loop
@@ -97,7 +99,9 @@ class Supervisor:
                 say(f"stopped by {signal.Signals(self.stopping).name} before start {attempt}; {self._again()}")
                 self._summary("stopped")
                 return 130
+            self._replaced(nodes)
             clear_outcome(self.run_dir)
+            self.attempt = attempt
             started = time.time()
             say(f"start {attempt}: {len(nodes)} node(s) ({', '.join(nodes)}), {world_size(self.cfg)} ranks")
             ended = self.runner.start(attempt, nodes, {"HPCTRAIN_ATTEMPT": str(attempt)}, self._poll)
@@ -132,6 +136,9 @@ class Supervisor:
                 return 130 if ended.stopped_now else (ended.rc or 130)
             failure = self._classify(attempt, nodes, ended)
             self._record(failure, attempt)
+            blame = getattr(self.runner, "blame", None)
+            if blame is not None:  # node agents: the blamed ranks are not kept for the next generation
+                blame(failure.ranks)
             if failure.cause in ("unhealthy", "node_lost"):
                 self.excluded += [n for n in failure.nodes if n not in self.excluded]
             if last is not None and failure.signature() == last.signature():
@@ -264,6 +271,37 @@ class Supervisor:
             records[-1]["restarted_at"] = when
             write_jsonl(self.run_dir / INTERRUPTIONS, records)
 
+    def _replaced(self, nodes: list[str]) -> None:
+        """A start on as many nodes as the last, some of them new: spares that took lost nodes' places
+        (cluster.spare_nodes), recorded with the interruption ({"n2": "n3"})."""
+        runs = read_jsonl(self.run_dir / "attempts.jsonl")
+        records = read_jsonl(self.run_dir / INTERRUPTIONS)
+        if not runs or not records or records[-1].get("replaced") is not None:
+            return
+        before = list(runs[-1].get("nodes", []))
+        if len(before) != len(nodes) or before == nodes:
+            return
+        replaced = {old: new for old, new in zip(before, nodes) if old != new}
+        records[-1]["replaced"] = replaced
+        write_jsonl(self.run_dir / INTERRUPTIONS, records)
+        say("replacing " + ", ".join(f"{o} with the spare {n}" for o, n in replaced.items()) + " in this job")
+
+    def _restored(self, rec: dict) -> None:
+        """What the ranks of the start after an interruption restored (attempts/<N>/restored.json,
+        written by rank 0): from memory, the steps redone count from the snapshot, not the disk checkpoint."""
+        try:
+            got = json.loads((attempt_dir(self.run_dir, self.attempt) / "restored.json").read_text())
+        except (OSError, ValueError):
+            return
+        rec["restored_from"] = got
+        if got.get("kind") == "memory" and isinstance(got.get("step"), int):
+            rec["steps_redone"] = max(0, (rec.get("last_step") or 0) - got["step"])
+            where = ", ".join(f"rank {r} from the replica on {n}" for r, n in sorted(got.get("source", {}).items())
+                              if n != "own")
+            say(f"restored step {got['step']} from memory" + (f": {where}" if where else " (every rank its own)"))
+        else:
+            say(f"restored from disk checkpoint step {got.get('step')}: {got.get('why', '')}")
+
     def _poll(self, force: bool = False) -> None:
         """While ranks run: the first step after the last interruption ends its recovery time."""
         if not force and time.monotonic() - self._polled < 2.0:
@@ -275,6 +313,7 @@ class Supervisor:
         rec = records[-1]
         after = [m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m.get("time", 0) > rec["restarted_at"]]
         if after:
+            self._restored(rec)
             rec["first_step_at"] = after[0]["time"]
             rec["recover_s"] = round(after[0]["time"] - (rec["failed_at"] or rec["time"]), 2)
             write_jsonl(self.run_dir / INTERRUPTIONS, records)
@@ -309,7 +348,10 @@ def supervise(run_dir: str | os.PathLike, lock: RunLock | None = None) -> int:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return 2
     try:
-        runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
+        if cfg.checkpoint.memory_every > 0:  # node agents, memory snapshots, in-process restarts
+            runner = AgentRunner(cfg, run_dir, slurm)
+        else:
+            runner = SrunRunner(cfg, run_dir) if slurm else LocalRunner(cfg, run_dir)
         sup = Supervisor(run_dir, runner, slurm)
         # scancel, Ctrl-C: no restarts, and no traceback. While local ranks run, the local runner passes
         # signals on to them itself (hpctrain.launch.local); here they count between its starts.
@@ -319,6 +361,9 @@ def supervise(run_dir: str | os.PathLike, lock: RunLock | None = None) -> int:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
     finally:
         if lock is None:
             held.release()

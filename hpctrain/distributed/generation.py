@@ -1,0 +1,163 @@
+"""A rank's generations under the node agents (checkpoint.memory_every > 0): after a failure the
+surviving ranks stay in their process, drop their Trainer and process group, and train on in the next
+generation with the ranks the agents forked afresh for the lost ones: no new interpreter, no torch
+import, no CUDA context, only a new process group over a new port and the state restored from the
+newest memory snapshot (hpctrain.checkpoint.memory).
+
+The supervisor writes <run_dir>/attempts/<g>/plan.json for each generation g (who runs where, the
+rendezvous, the survivors); a survivor waits for the next plan that names it. What it does not trust
+is its own live tensors: a failure can land in the middle of an update, so every rank of the new
+generation restores the same snapshot.
+
+Why not NVRx's in-process restart (nvidia-resiliency-ext's inprocess.Wrapper): it aborts NCCL process
+groups only (gloo runs here), and its store is hosted by rank 0, which may be the rank that died; why
+not torchft: it re-forms a quorum of replica groups each step and trains on with fewer, not the same
+layout with bit-identical losses (docs/recovery.md).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+from hpctrain.core.rundir import attempt_dir
+
+PLAN = "plan.json"
+ARM_AFTER_STEPS = 3  # a generation's first steps (warm-up, a restore's first save) run under the generous timeout
+
+
+def read_plan(run_dir: Path, generation: int) -> Optional[dict]:
+    path = attempt_dir(run_dir, generation) / PLAN
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return plan if isinstance(plan, dict) and plan.get("generation") == generation else None
+
+
+def rank_env(plan: dict, rank: int) -> dict:
+    """The variables hpctrain.distributed.bootstrap.detect reads, for `rank` in this generation."""
+    nodes = plan["rank_nodes"]
+    mine = nodes[str(rank)]
+    here = sorted(int(r) for r, n in nodes.items() if n == mine)
+    return {"RANK": str(rank), "WORLD_SIZE": str(plan["world"]), "LOCAL_RANK": str(here.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(here)), "MASTER_ADDR": str(plan["master_addr"]),
+            "MASTER_PORT": str(plan["master_port"]), "HPCTRAIN_ATTEMPT": str(plan["generation"]),
+            "HPCTRAIN_LAUNCHER": "agent"}
+
+
+def wait_next(run_dir: Path, generation: int, rank: int, timeout_s: float, poll_s: float = 0.05) -> Optional[int]:
+    """The next generation whose plan keeps this rank alive, or None: a plan without it (the
+    supervisor replaces every rank, or this one), or none within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    root = Path(run_dir) / "attempts"
+    while time.monotonic() < deadline:
+        later = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and int(p.name) > generation) \
+            if root.is_dir() else []
+        for g in later:
+            plan = read_plan(run_dir, g)
+            if plan is None:
+                continue  # being written
+            return g if rank in plan.get("survivors", []) else None
+        time.sleep(poll_s)
+    return None
+
+
+def set_collective_timeout(seconds: float, keep=()) -> int:
+    """Every process group's collectives give up after `seconds` (a peer stopped by SIGSTOP, or stuck,
+    otherwise holds a gloo collective until launcher.timeout_s): the survivors then leave the step with
+    an error and wait for the next generation. `keep`: groups left alone (the checkpoint's, whose saves
+    may take longer). Uses torch's private _set_pg_timeout; where it is missing, returns 0 and the
+    watchdog remains the only way out of a hang."""
+    import torch.distributed.distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return 0
+    done = 0
+    for pg in list(getattr(c10d._world, "pg_map", {})):
+        if any(pg is k for k in keep):
+            continue
+        try:
+            setter(timedelta(seconds=seconds), pg)
+            done += 1
+        except (ValueError, AssertionError, RuntimeError):
+            pass  # a group this rank is not in
+    return done
+
+
+class ArmingWatchdog:
+    """The rank's watchdog, as the training loop sees it, that also shortens the collectives' timeout
+    once the generation has made ARM_AFTER_STEPS steps (hpctrain.train.loop beats once per step)."""
+
+    def __init__(self, watchdog, seconds: float, keep):
+        self.watchdog, self.seconds, self.keep = watchdog, seconds, keep
+        self.first: Optional[int] = None
+        self.armed = False
+
+    def beat(self, step: int, phase: str = "step", step_time: Optional[float] = None) -> None:
+        self.watchdog.beat(step, phase, step_time)
+        if phase != "step" or self.armed:
+            return
+        self.first = step if self.first is None else self.first
+        if step - self.first >= ARM_AFTER_STEPS:
+            self.armed = True
+            set_collective_timeout(self.seconds, keep=[k for k in self.keep() if k is not None])
+
+    def __getattr__(self, name):
+        return getattr(self.watchdog, name)
+
+
+def hang_report(adir: Path, rank: int, error: BaseException, step: Optional[int]) -> None:
+    """A collective that timed out because a peer made no progress: reported as the watchdog reports a
+    hang (hpctrain.launch.failures blames the ranks that wrote nothing)."""
+    rep = {"rank": rank, "time": time.time(), "step": step, "phase": "collective", "silent_s": 0.0,
+           "timeout_s": None, "collectives": {}, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    try:
+        (adir / f"hang-rank-{rank}.json").write_text(json.dumps(rep))
+    except OSError:
+        pass
+
+
+def is_timeout(error: BaseException) -> bool:
+    text = str(error)
+    return "Timed out waiting" in text or "timed out" in text.lower()
+
+
+def teardown(trainer) -> None:
+    """What held the old generation's process group goes, so that the next can be made in this process."""
+    import torch.distributed as dist
+
+    if trainer is not None:
+        mem = getattr(getattr(trainer, "ckpt", None), "memory", None)
+        if mem is not None and hasattr(mem, "close"):
+            try:
+                mem.close(wait=True)
+            except Exception:  # noqa: BLE001 - a snapshot not finished is not used (complete or absent)
+                pass
+        pool = getattr(getattr(trainer, "ckpt", None), "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+    forget_save_plans()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may fail to close; a new one is made anyway
+            pass
+    gc.collect()
+
+
+def forget_save_plans() -> None:
+    """Distributed checkpoint's save plans cached by the planner's class, process-wide: the coordinator
+    (rank 0) of a generation that kept them tells the others to reuse a plan that a rank new to the
+    generation never made (KeyError 'ReusingSavePlanner' in finish_plan). Every survivor forgets them."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in [a for a in vars(SavePlanner) if a.startswith("_cached")]:
+        cache = getattr(SavePlanner, name)
+        if isinstance(cache, dict):
+            cache.clear()
