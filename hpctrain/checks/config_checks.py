@@ -706,7 +706,9 @@ def _memory_snapshot_problems(cfg: Config) -> list[str]:
     from hpctrain.plan.snapshots import snapshot_cost
 
     cost = snapshot_cost(job_of(cfg))
-    if cost is not None and 0 < ck.memory_budget <= 1 and cfg.cluster.host_mem_gb > 0 and not cost.fits:
+    # a budget or a host memory out of range (nan, 0) is RANGES' to refuse: no figure to compare with
+    in_range = not any(range_problem(k, _get(cfg, k)) for k in ("checkpoint.memory_budget", "cluster.host_mem_gb"))
+    if cost is not None and in_range and not cost.fits:
         out.append(_budget_problem(cost))
     return out
 
