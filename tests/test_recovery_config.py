@@ -221,3 +221,16 @@ def test_the_plan_shows_the_spares_and_the_snapshots_cost(base):
     off = plan(job_of(updated(base, {"checkpoint.memory_every": 0})))
     assert "spare" not in summary(off) and "memory snapshots" not in summary(off)
     assert plan_dict(off)["memory_snapshots"] is None and plan_dict(off)["spare_nodes"] == 0
+
+
+def test_a_lora_snapshot_holds_the_frozen_base_without_optimizer_state(lora):
+    """Under LoRA (weights full) a rank's snapshot is the adapters' parameters and moments (12 bytes each)
+    plus the frozen base in the compute dtype (tiny: fp32), all a quarter under ZeRO-3 over 4 ranks.
+    Mutant: the frozen weights priced as trained ones (moments and all: 3x here)."""
+    from hpctrain.core.flops import lora_params
+    from hpctrain.plan.snapshots import snapshot_cost
+
+    assert str(lora.train.precision) == "fp32" and lora.parallel.zero == 3
+    base_params, adapters = param_counts(lora.model)["total"], lora_params(lora.model, 1)
+    cost = snapshot_cost(job_of(lora))
+    assert cost.rank_bytes == pytest.approx((12 * adapters + 4 * base_params) / 4)
