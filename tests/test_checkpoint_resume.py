@@ -173,9 +173,11 @@ def test_resharded_resume_continues_the_same_run(tmp_path, uninterrupted, stoppe
 
 def test_kill9_mid_save_keeps_previous_checkpoint_and_resumes_on_fewer_ranks(tmp_path, uninterrupted):
     """FSDP2 dp 4 with rank 1 SIGKILLed in the middle of the step-6 save; the run then resumes from step 3
-    on dp 2 (a lost node) and continues the same run."""
-    proc = run_cli(*COMMON, "launcher.nproc=4", "checkpoint.every=3", f"run.dir={tmp_path}", check=False,
-                   env={"HPCTRAIN_FAULT": "kill_in_save:step=6,rank=1"})
+    on dp 2 (a lost node) and continues the same run. The first run stops at its first failure
+    (launcher.max_restarts=0): kill_in_save fires in every attempt, so a restart would only repeat the
+    torn save on 4 ranks before giving up."""
+    proc = run_cli(*COMMON, "launcher.nproc=4", "checkpoint.every=3", "launcher.max_restarts=0",
+                   f"run.dir={tmp_path}", check=False, env={"HPCTRAIN_FAULT": "kill_in_save:step=6,rank=1"})
     assert proc.returncode != 0 and "rank 1" in proc.stderr and "SIGKILL" in proc.stderr
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     # The torn save never became visible: at most a .tmp-step-00000006-* remains (rank 0 removes it
