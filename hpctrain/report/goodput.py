@@ -5,7 +5,8 @@ it finally happened (metrics.jsonl keeps one record per step; steps trained agai
 replace the lost ones) and the wall time runs from the first start of the ranks to the end of the
 last (attempts.jsonl), less the time a person kept the run stopped (an interruption of cause
 "stopped", a Ctrl-C: from the stop to the next start). The breakdown charges each interruption (interruptions.jsonl) with the time
-from the failure to the first step after the restart, and with the steps it made train again.
+from the failure to the first step after the restart, and with the steps it made train again; the
+table says where each restart took its state from (memory snapshots, and whose replica, or disk).
 Works on a run in progress too (its wall time ends now). Malformed lines of those files are left out
 and named (file:line) under the figures; a wall time that ends before it starts is reported as a
 problem, not as a figure.
@@ -93,6 +94,27 @@ def _log_every(steps: list) -> int:
     return max(1, round(statistics.median(gaps))) if gaps else 1
 
 
+def restored_text(rec: dict) -> str:
+    """Where the restart after an interruption took its state from (the record's `restored_from`, which the
+    supervisor adds with checkpoint.memory_every): 'memory 120' (every rank its own node's snapshot),
+    'memory 120 (r1 n1)' (rank 1 from the replica on n1), 'disk 100', 'disk -' (no checkpoint: from the
+    start), and a lost node's replacement, 'n2->n3'. '-' for records without it (older runs, no memory)."""
+    rf, parts = rec.get("restored_from"), []
+    if isinstance(rf, dict) and rf.get("kind") in ("memory", "disk"):
+        step = rf.get("step")
+        parts.append(f"{rf['kind']} {step if isinstance(step, int) else '-'}")
+        source = rf.get("source")
+        if rf["kind"] == "memory" and isinstance(source, dict):
+            peers = [f"r{r} {n}" for r, n in sorted(source.items(), key=lambda kv: str(kv[0]).zfill(8))
+                     if n != "own"]
+            if peers:
+                parts.append(f"({', '.join(peers)})")
+    replaced = rec.get("replaced")
+    if isinstance(replaced, dict) and replaced:
+        parts.append(" ".join(f"{lost}->{spare}" for lost, spare in replaced.items()))
+    return " ".join(parts) or "-"
+
+
 def report(g: Goodput) -> str:
     if g.problems:  # no figure to give: the wall time is not a time
         lines = [f"goodput cannot be measured: {p}" for p in g.problems]
@@ -103,13 +125,14 @@ def report(g: Goodput) -> str:
         if g.paused_s:
             lines.append(f"  not counted: {g.paused_s:.1f} s stopped by a person (Ctrl-C) until the next start")
     if g.interruptions:
-        lines.append(f"{'cause':<10} {'ranks':<8} {'nodes':<10} {'detect s':>9} {'recover s':>10} {'redone':>7}  detail")
+        lines.append(f"{'cause':<10} {'ranks':<8} {'nodes':<10} {'detect s':>9} {'recover s':>10} {'redone':>7}  "
+                     f"{'restored from':<22} detail")
         for r in g.interruptions:
             detect = f"{r['detect_s']:.1f}" if r.get("detect_s") is not None else "-"
             recover = f"{r['recover_s']:.1f}" if r.get("recover_s") is not None else "-"
             lines.append(f"{r['cause']:<10} {','.join(map(str, r.get('ranks') or [])) or '-':<8} "
                          f"{','.join(r.get('nodes') or []) or '-':<10} {detect:>9} {recover:>10} "
-                         f"{r.get('steps_redone') or 0:>7}  {(r.get('detail') or '')[:80]}")
+                         f"{r.get('steps_redone') or 0:>7}  {restored_text(r):<22} {(r.get('detail') or '')[:80]}")
     lines += [f"warning: {s}; line left out" for s in g.skipped[:10]]
     if len(g.skipped) > 10:
         lines.append(f"warning: {len(g.skipped) - 10} more malformed lines left out")
