@@ -755,6 +755,3 @@ def recovery_advice(cfg: Config) -> list[str]:
 def _recovery(cfg: Config):
     """Memory snapshots, hot spares and in-process restart (issue 47)."""
     yield from recovery_problems(cfg)
-    if cfg.checkpoint.memory_every or cfg.cluster.spare_nodes:
-        yield ("checkpoint.memory_every and cluster.spare_nodes are not built yet. Fix: leave them at 0 "
-               "(disk checkpoints, checkpoint.every, recover every failure)")
