@@ -126,6 +126,7 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
     import torch.distributed as dist
 
     from hpctrain.checkpoint.manager import NoUsableCheckpoint, SaveFailed
+    from hpctrain.core import generations as plans
     from hpctrain.distributed import generation as gen
     from hpctrain.distributed import health
     from hpctrain.train.loop import Trainer
@@ -158,7 +159,7 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
                                 groups=lambda: {"world": dist.group.WORLD}).start()
             # A collective of every rank: only in a generation where every rank is new (survivors do
             # not run it again, and a rank forked to join them would wait in it alone).
-            plan = gen.read_plan(run_dir, g) or {}
+            plan = plans.read_plan(run_dir, g) or {}
             if first and not plan.get("survivors") and cfg.launcher.health.enabled:
                 watchdog.beat(0, "health")
                 if not health.check(adir, device, cfg.launcher.health.slowdown).ok:
@@ -200,11 +201,11 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
                 watchdog.stop()
         gen.teardown(trainer)
         del trainer
-        nxt = gen.wait_next(run_dir, g, de.rank, cfg.launcher.timeout_s)
+        nxt = plans.wait_next(run_dir, g, de.rank, cfg.launcher.timeout_s)
         if nxt is None:
             log.error("no next generation keeps this rank: ending")
             return 1
-        os.environ.update(gen.rank_env(gen.read_plan(run_dir, nxt), de.rank))
+        os.environ.update(plans.rank_env(plans.read_plan(run_dir, nxt), de.rank))
 
 
 def where_ranks_run(adir: Path) -> None:

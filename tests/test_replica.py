@@ -1,4 +1,4 @@
-"""Replica transfer between node agents (hpctrain.launch.replica): two servers on localhost, real sockets."""
+"""Replica transfer between node agents (hpctrain.core.replica): two servers on localhost, real sockets."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from hpctrain.launch import replica
-from hpctrain.launch.replica import Pusher, ReplicaError, ReplicaServer, get, parse_name, prune, put
+from hpctrain.core import replica
+from hpctrain.core.replica import Pusher, ReplicaError, ReplicaServer, get, parse_name, prune, put
 
 
 def name(step: int, rank: int) -> str:

@@ -11,7 +11,7 @@ What it does, torch-free:
   a node whose beats stop is lost, faster and surer than asking Slurm (slurmctld learns it only after
   SlurmdTimeout);
 - owns the node's snapshot directory (<checkpoint.memory_dir>/hpctrain-<job>-<run id>/), on a tmpfs: the
-  ranks write their snapshots into own/, the pusher (hpctrain.launch.replica) copies each to the partner
+  ranks write their snapshots into own/, the pusher (hpctrain.core.replica) copies each to the partner
   node's agent, which keeps them in peer/, and serves both to ranks restoring on other nodes. The
   directory goes when the agent ends, as the node's RAM would.
 
@@ -78,7 +78,7 @@ class Agent:
         for sub in SUBDIRS:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        from hpctrain.launch import replica  # torch-free
+        from hpctrain.core import replica  # torch-free
 
         self.replicas = replica.ReplicaServer(self.dir)
         port = self.replicas.start()

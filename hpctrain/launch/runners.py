@@ -20,7 +20,6 @@ from hpctrain.launch.local import Ended, run_ranks, tail
 from hpctrain.launch.sbatch import slurm_filename, source_root
 from hpctrain.core.rundir import attempt_dir
 from hpctrain.core.spec import ranks_per_node, world_size
-from hpctrain.distributed.bootstrap import slurm_port
 from hpctrain.core.schema import Config
 
 Poll = Callable[[], None]
@@ -336,7 +335,7 @@ class AgentRunner:
 
     def _master_port(self, generation: int) -> int:
         if self.slurm:
-            return slurm_port(self.job or "0", generation)
+            return container.master_port(self.job or "0", generation)
         if self._port is not None:
             self._port.close()
         # Held bound (not listening) until the next generation: see hpctrain.launch.local.reserved_port.
@@ -347,7 +346,7 @@ class AgentRunner:
 
     def start(self, attempt: int, nodes: list[str], env: dict, poll: Poll) -> Ended:
         from hpctrain.core.compose import load
-        from hpctrain.distributed.generation import PLAN, rank_env
+        from hpctrain.core.generations import PLAN, rank_env
 
         cfg = self.cfg = load(self.run_dir / "config.yaml")
         tpn = cfg.launcher.nproc if not self.slurm else ranks_per_node(cfg.cluster)
