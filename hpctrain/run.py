@@ -152,11 +152,10 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
             log.info("rank %d of %d on %s (generation %d%s)", de.rank, de.world, socket.gethostname(), g,
                      "" if first else ", in the same process")
             where_ranks_run(adir)
-            hang_s = cfg.launcher.hang_timeout_s or 60.0
-            # The watchdog stays the backstop for a rank stuck outside collectives; the collectives'
-            # own timeout (hang_s) frees the survivors first.
-            watchdog = Watchdog(adir, de.rank, 2 * hang_s, cfg.launcher.timeout_s,
-                                groups=lambda: {"world": dist.group.WORLD}).start()
+            # The watchdog stays the backstop for a rank stuck outside collectives, at twice the hang
+            # timeout: the collectives' own timeout (gen.ArmingWatchdog) frees the survivors first.
+            watchdog = Watchdog(adir, de.rank, cfg.launcher.hang_timeout_s, cfg.launcher.timeout_s,
+                                groups=lambda: {"world": dist.group.WORLD}, scale=2.0).start()
             # A collective of every rank: only in a generation where every rank is new (survivors do
             # not run it again, and a rank forked to join them would wait in it alone).
             plan = plans.read_plan(run_dir, g) or {}
@@ -168,7 +167,7 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
             trainer = Trainer(spec, str(run_dir), device)
             if not preemption._previous:  # a failed generation's fit uninstalled it; a signal still counts
                 preemption.install()
-            armed = gen.ArmingWatchdog(watchdog, hang_s, keep=lambda: [getattr(trainer.ckpt, "_pg", None)])
+            armed = gen.ArmingWatchdog(watchdog, cfg.launcher.hang_timeout_s, keep=lambda: [getattr(trainer.ckpt, "_pg", None)])
             outcome = trainer.fit(preemption, armed)
             if de.rank == 0:
                 log.info("%s at step %d", outcome.status, outcome.step)

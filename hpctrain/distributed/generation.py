@@ -55,18 +55,25 @@ class ArmingWatchdog:
     once the generation has made ARM_AFTER_STEPS steps (hpctrain.train.loop beats once per step)."""
 
     def __init__(self, watchdog, seconds: float, keep):
+        """`seconds`: launcher.hang_timeout_s, or 0: the watchdog's own rule, max(60 s, 10 x the median
+        step), from this generation's timed steps."""
         self.watchdog, self.seconds, self.keep = watchdog, seconds, keep
         self.first: Optional[int] = None
-        self.armed = False
+        self.times: list[float] = []
+        self.armed: Optional[float] = None
 
     def beat(self, step: int, phase: str = "step", step_time: Optional[float] = None) -> None:
         self.watchdog.beat(step, phase, step_time)
-        if phase != "step" or self.armed:
+        if phase != "step" or self.armed is not None:
             return
+        if step_time is not None:
+            self.times.append(step_time)
         self.first = step if self.first is None else self.first
         if step - self.first >= ARM_AFTER_STEPS:
-            self.armed = True
-            set_collective_timeout(self.seconds, keep=[k for k in self.keep() if k is not None])
+            from hpctrain.train.watchdog import auto_timeout
+
+            self.armed = self.seconds or auto_timeout(self.times) or 60.0
+            set_collective_timeout(self.armed, keep=[k for k in self.keep() if k is not None])
 
     def __getattr__(self, name):
         return getattr(self.watchdog, name)

@@ -399,8 +399,7 @@ class AgentRunner:
             poll()
             bad = {r: rc for r, rc in self.ended.items() if rc != 0}
             reported = self._reported(generation)
-            if failed_at is None and (bad or reported or any(r not in self.alive and r not in self.ended
-                                                             for r in range(world) if self._started(r))):
+            if failed_at is None and (bad or reported):
                 failed_at, last_change = time.monotonic(), time.monotonic()
             if failed_at is None:
                 if len(self.ended) == world:
@@ -418,9 +417,6 @@ class AgentRunner:
             if reported != getattr(self, "_seen", None):
                 self._seen = reported
                 last_change = time.monotonic()
-
-    def _started(self, rank: int) -> bool:
-        return False  # a rank the agent has not reported yet is starting, not lost (beats decide nodes)
 
     def _stopped(self, rank: int) -> bool:
         node = (self.plan or {}).get("rank_nodes", {}).get(str(rank))

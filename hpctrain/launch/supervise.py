@@ -146,7 +146,8 @@ class Supervisor:
             if restarts >= limit:
                 return self._give_up(failure, f"{restarts} restart(s) used up (launcher.max_restarts={limit})")
             last, restarts, attempt = failure, restarts + 1, attempt + 1
-            say(f"restart {restarts} of at most {limit} from the newest complete checkpoint")
+            source = "memory snapshot or checkpoint" if isinstance(self.runner, AgentRunner) else "checkpoint"
+            say(f"restart {restarts} of at most {limit} from the newest complete {source}")
 
     def _recheck(self) -> str | None:
         """config.yaml again, with every login-node check, and the run directory's layout, before each

@@ -51,8 +51,10 @@ def auto_timeout(step_times: list[float], floor: float = 60.0, factor: float = 1
 class Watchdog:
     def __init__(self, attempt_dir: Path, rank: int, hang_timeout_s: float, generous_s: float,
                  groups: Callable[[], dict] = dict, exit_fn: Callable[[int], None] = os._exit,
-                 poll_s: float = 1.0, linger_s: float = 5.0):
-        self.dir, self.rank = Path(attempt_dir), rank
+                 poll_s: float = 1.0, linger_s: float = 5.0, scale: float = 1.0):
+        """`scale`: the hang timeout multiplied (under the node agents the collectives' own timeout,
+        hpctrain.distributed.generation, frees the survivors first; this is the backstop)."""
+        self.dir, self.rank, self.scale = Path(attempt_dir), rank, scale
         self.fixed, self.generous = hang_timeout_s, generous_s
         self.groups, self.exit_fn, self.poll_s, self.linger_s = groups, exit_fn, poll_s, linger_s
         self.step, self.phase, self.last = 0, "start", time.monotonic()
@@ -78,8 +80,9 @@ class Watchdog:
         if self.phase in GENEROUS:
             return self.generous
         if self.fixed > 0:
-            return self.fixed
-        return auto_timeout(self.step_times) or self.generous
+            return self.scale * self.fixed
+        auto = auto_timeout(self.step_times)
+        return self.scale * auto if auto else self.generous
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
