@@ -273,7 +273,7 @@ def test_close_without_wait_abandons_the_one_in_flight(tmp_path, monkeypatch):
 
 def test_restore_refuses_another_layout_and_fetches_from_a_peer(tmp_path, monkeypatch):
     """A snapshot of another sharding at the same world is refused by name; a copy on another node is
-    fetched through hpctrain.launch.replica.get into fetched/ (a fake here). Mutants: the layout not
+    fetched through hpctrain.core.replica.get into fetched/ (a fake here). Mutants: the layout not
     compared; the peer's address not the plan's agent of that node."""
     from hpctrain.checkpoint.memory import MemorySnapshots, RestoreRefused
 
@@ -296,7 +296,7 @@ def test_restore_refuses_another_layout_and_fetches_from_a_peer(tmp_path, monkey
         Path(dest).write_bytes((far / name).read_bytes())
         return True
 
-    monkeypatch.setitem(sys.modules, "hpctrain.launch.replica", types.SimpleNamespace(get=get))
+    monkeypatch.setitem(sys.modules, "hpctrain.core.replica", types.SimpleNamespace(get=get))
     ms3 = MemorySnapshots(m, tmp_path / "mem", every=2)
     with pytest.raises(DamagedSnapshot, match="is in none of own/, peer/, fetched/"):
         ms3.prepare(2, "own", None, m.state)
@@ -329,7 +329,13 @@ def two_ranks(tmp_path_factory) -> dict:
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(root), str(port)],
                               env=dict(os.environ, RANK=str(r), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank left waiting in a collective its peer never joins
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return {**json.loads((root / "out.json").read_text()), "root": root}
@@ -339,13 +345,14 @@ def two_ranks(tmp_path_factory) -> dict:
 def test_resume_from_memory_is_bit_identical(two_ranks):
     """Trained to step 5 (snapshots at 2, 4; a failure at 5), then a new process group and Trainer in the same
     processes resume from memory at step 4 and train on: the losses equal an uninterrupted run's exactly.
-    Mutants: the RNG, data position, optimizer step counters or scheduler not in the snapshot; a
+    Mutants: the RNG (checked apart), data position, optimizer step counters or scheduler not restored; a
     DTensor's shard copied into a temporary instead of the parameter; the snapshot taken before the step."""
     r = two_ranks
     assert r["gen0"] == r["full"][:4]  # (step 5 failed before its row was written)
     assert r["restored2"] == {"kind": "memory", "step": 4, "source": {"0": "own", "1": "own"}}
     assert r["gen2_start"] == 4
     assert r["gen2"] == r["full"][4:], "bit-identical after a memory restore"
+    assert r["gen2_rng_restored"] == [True, True]  # (the tiny model draws no random numbers while training)
     rows = r["full_rows"]
     assert [s for s, ms, _ in rows if ms is not None] == [2, 4, 6]  # not the last step: the run ends there
     assert all(ms >= 0 for _, ms, _ in rows if ms is not None)
@@ -374,7 +381,9 @@ def _worker(root: Path, port: int) -> None:
     """Each rank: generations of one run in one process, each with a new process group on one TCPStore,
     as the in-process restart does. gen 0 fails at step 5; gen 1 finds rank 1's copy damaged; gen 2 resumes
     from memory; gen 3 finds a newer disk checkpoint. A separate run trains uninterrupted."""
+    import base64
     import shutil
+
     import torch
     import torch.distributed as dist
 
@@ -445,7 +454,20 @@ def _worker(root: Path, port: int) -> None:
     end(t)
 
     t = generation(2, run, root / "mem")
+    torch.manual_seed(1234 + rank)  # this process's generators moved on since step 4: the restore must set them
+    resume, seen = t.resume, {}
+
+    def resume_and_look(warn):
+        resume(warn)
+        seen["rng"] = torch.get_rng_state().numpy().tobytes()
+
+    t.resume = resume_and_look
     res = t.fit()  # resumes from memory at 4, trains to 8, saves the end on disk (checkpoint.final)
+    header = snapfile.read_header(root / "mem" / "own" / snapfile.name(4, rank))
+    mine = seen["rng"] == base64.b64decode(header["plain"]["rng"]["torch_cpu"])
+    rng = [None] * world
+    dist.all_gather_object(rng, mine)
+    out["gen2_rng_restored"] = rng
     out["gen2_start"], out["gen2"] = t.resumed_from, res.losses
     end(t)
 

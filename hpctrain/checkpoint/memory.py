@@ -396,7 +396,7 @@ class MemorySnapshots:
         addr = ((plan or {}).get("agents") or {}).get(source)
         if not addr:
             raise DamagedSnapshot(f"{fname} is on {source}, and the plan names no agent there")
-        from hpctrain.launch.replica import get  # the node agent's transfers (torch-free)
+        from hpctrain.core.replica import get  # the node agent's transfers (torch-free)
 
         dest = self.dir / FETCHED / fname
         dest.parent.mkdir(parents=True, exist_ok=True)
