@@ -1,5 +1,6 @@
 """The login node's side of memory snapshots and hot spares (issue 47): the refusals of
-checkpoint.memory_* and cluster.spare_nodes with their fixes, the snapshots' budget with its numbers,
+checkpoint.memory_* and cluster.spare_nodes with their fixes (config_checks.recovery_problems), the
+snapshots' budget with its numbers (a plan's problem: the checks never import the planner),
 the allocation that holds the spares (and the world that does not count them), the plan's text and
 plan.json. Pure functions on composed configs: no launch, no Slurm. Each test names the mutant it
 catches."""
@@ -11,12 +12,14 @@ import math
 import pytest
 
 from hpctrain.checks.config_checks import compose_checked, problems, recovery_advice, recovery_problems
+from hpctrain.core.compose import ConfigError
 from hpctrain.core.flops import param_counts
 from hpctrain.core.schema import BaseQuant
 from hpctrain.core.spec import updated, world_size
 from hpctrain.launch.allocation import allocation
 from hpctrain.launch.sbatch import directives, sbatch_script
 from hpctrain.launch.slurm import executor_parameters
+from hpctrain.plan.login import plan_and_check
 from hpctrain.plan.memory import GiB, gib, job_of
 from hpctrain.plan.verdict import plan, plan_dict, summary
 
@@ -130,28 +133,44 @@ def node_snapshot_bytes(cfg) -> float:
     return 2 * (4 + 8) * params / 4 * 5
 
 
+def budget_problems(cfg) -> list[str]:
+    """The plan's problems about the snapshots (the login node refuses a plan with problems)."""
+    return [p for p in plan(job_of(cfg)).problems if "memory snapshots" in p]
+
+
 def test_the_budget_refuses_with_the_numbers(base):
-    """Just over budget: refused, with the node's figure, its arithmetic, the budget and the share that
-    would fit; just under: not. Mutants: COPIES 4 (or any other factor), ranks per node from the world,
-    the bf16 copy counted (14 bytes), the comparison the wrong way, the budget's share or host_mem_gb left out."""
+    """Just over budget: the plan cannot run, with the node's figure, its arithmetic, the budget and the
+    share that would fit; just under: it can. Mutants: COPIES 4 (or any other factor), ranks per node from
+    the world, the bf16 copy counted (14 bytes), the comparison the wrong way, the budget's share or
+    host_mem_gb left out, verdict.plan without snapshot_problems."""
     need = node_snapshot_bytes(base)
     host_gb = need / GiB / 0.25  # the host memory at which the default budget exactly holds them
-    msg = only(recovery_problems(updated(base, {"cluster.host_mem_gb": host_gb * 0.97})))
+    over = updated(base, {"cluster.host_mem_gb": host_gb * 0.97})
+    msg = only(budget_problems(over))
     assert_mentions(msg, f"memory snapshots take {gib(need)} per node", "2 ranks x ", " x 5 copies",
                     f"> checkpoint.memory_budget=0.25 x cluster.host_mem_gb={host_gb * 0.97:g} = "
                     f"{gib(0.25 * host_gb * 0.97 * GiB)}",
                     f"Fix: checkpoint.memory_budget={math.ceil(0.25 / 0.97 * 100) / 100:g}",
                     "cluster.host_mem_gb=", "more ranks to shard the state over", "checkpoint.memory_every=0")
-    assert recovery_problems(updated(base, {"cluster.host_mem_gb": host_gb * 1.03})) == []
+    assert not plan(job_of(over)).fits
+    assert budget_problems(updated(base, {"cluster.host_mem_gb": host_gb * 1.03})) == []
     # a larger share of the same memory lets them in
-    assert recovery_problems(updated(base, {"cluster.host_mem_gb": host_gb * 0.97,
-                                            "checkpoint.memory_budget": 0.3})) == []
+    assert budget_problems(updated(over, {"checkpoint.memory_budget": 0.3})) == []
+    assert recovery_problems(over) == []  # the config's checks leave the size to the plan: no second refusal
+
+
+def test_the_login_node_refuses_a_plan_over_the_budget(base):
+    """plan_and_check (what `python -m hpctrain` runs after the config's checks) raises with the budget's
+    message. Mutant: the snapshots' problem kept out of Plan.problems (shown, not refused)."""
+    over = updated(base, {"cluster.host_mem_gb": node_snapshot_bytes(base) / GiB / 0.25 * 0.9})
+    with pytest.raises(ConfigError, match="memory snapshots take .* per node"):
+        plan_and_check(over, for_launch=True)
 
 
 def test_a_budget_above_the_whole_memory_names_no_share(base):
     """Where even all of host memory is too little, the fix names no memory_budget over 1. Mutant: the
     share offered whatever its size."""
-    msg = only(recovery_problems(updated(base, {"cluster.host_mem_gb": node_snapshot_bytes(base) / GiB / 2})))
+    msg = only(budget_problems(updated(base, {"cluster.host_mem_gb": node_snapshot_bytes(base) / GiB / 2})))
     assert "checkpoint.memory_budget=" not in msg.split("Fix:")[1], msg
 
 
@@ -161,16 +180,16 @@ def test_memory_budget_outside_its_range_is_refused_once(base, budget):
     (it would divide by it, or compare with nan). Mutants: the row gone (a default range takes 0 and 1.5),
     the budget check run on a value out of range (a second, nonsensical refusal)."""
     cfg = updated(base, {"checkpoint.memory_budget": budget})
-    found = [p for p in problems(cfg) if "memory_budget" in p or "memory snapshots take" in p]
+    found = [p for p in problems(cfg) + budget_problems(cfg) if "memory_budget" in p or "memory snapshots" in p]
     assert_mentions(only(found), f"checkpoint.memory_budget={budget}", "(0, 1]",
                     "Fix: checkpoint.memory_budget=0.25 (the default)")
 
 
-@pytest.mark.parametrize("host", [0.0, float("nan")])
+@pytest.mark.parametrize("host", [0.0, float("nan"), float("inf")])
 def test_a_host_memory_out_of_range_leaves_the_budget_to_its_range(base, host):
-    """cluster.host_mem_gb=0 or nan: its RANGES row refuses it; the budget check neither raises (ceil of
-    nan, a division by 0) nor adds a refusal. Mutant: the budget compared whatever host_mem_gb holds."""
-    assert recovery_problems(updated(base, {"cluster.host_mem_gb": host})) == []
+    """cluster.host_mem_gb=0, nan or inf: its RANGES row refuses it; the budget check neither raises (ceil
+    of nan, a division by 0) nor adds a refusal. Mutant: the budget compared whatever host_mem_gb holds."""
+    assert budget_problems(updated(base, {"cluster.host_mem_gb": host})) == []
 
 
 def test_one_node_is_warned_not_refused(base):

@@ -652,9 +652,10 @@ SPARE_LAUNCHERS = ("slurm", "sbatch")
 
 
 def recovery_problems(cfg: Config) -> list[str]:
-    """Why checkpoint.memory_* and cluster.spare_nodes cannot run as set, each with a fix (checkpoint.
-    memory_budget's range is RANGES'; memory_dir being a tmpfs is the node agent's to check: only the
-    node sees it)."""
+    """Why checkpoint.memory_* and cluster.spare_nodes cannot run as set, each with a fix. Elsewhere:
+    checkpoint.memory_budget's range (RANGES); the snapshots' size against it, which needs the layout's
+    shards (the planner's: hpctrain.plan.snapshots.snapshot_problems, a plan's problem); memory_dir being
+    a tmpfs (the node agent's: only the node sees it)."""
     ck, c, launcher = cfg.checkpoint, cfg.cluster, str(cfg.launcher.name)
     out: list[str] = []
     if ck.memory_every < 0:
@@ -700,16 +701,6 @@ def _memory_snapshot_problems(cfg: Config) -> list[str]:
                    + (" (adapters here: LoRA with model.init_from)" if asked == "auto" else "")
                    + ": snapshots would hold the adapters alone, and every restore would re-read the base from "
                    f"model.init_from. Fix: checkpoint.weights=full, {off}")
-    if not _layout_checked(cfg):
-        return out  # the layout's own refusals say why; the budget needs its spec
-    from hpctrain.plan.memory import job_of
-    from hpctrain.plan.snapshots import snapshot_cost
-
-    cost = snapshot_cost(job_of(cfg))
-    # a budget or a host memory out of range (nan, 0) is RANGES' to refuse: no figure to compare with
-    in_range = not any(range_problem(k, _get(cfg, k)) for k in ("checkpoint.memory_budget", "cluster.host_mem_gb"))
-    if cost is not None and in_range and not cost.fits:
-        out.append(_budget_problem(cost))
     return out
 
 
@@ -722,23 +713,6 @@ def _checkpoint_weights(cfg: Config) -> str:
     from hpctrain.core.spec import EngineSpec, lora_of
 
     return EngineSpec.checkpoint_weights.fget(SimpleNamespace(config=cfg, lora=lora_of(cfg.model)))
-
-
-def _layout_checked(cfg: Config) -> bool:
-    """The sizes are positive and the layout is one the rule book accepts: its spec can be priced."""
-    return not list(_positive(cfg)) and not list(_rule_book(cfg))
-
-
-def _budget_problem(cost) -> str:
-    from hpctrain.plan.memory import GiB, gib
-
-    share = math.ceil(cost.node_bytes / (cost.host_mem_gb * GiB) * 100) / 100
-    raise_budget = (f"checkpoint.memory_budget={share:g} where the node can spare that much, "
-                    if share <= 1 else "")
-    return (f"memory snapshots take {gib(cost.node_bytes)} per node ({cost.arithmetic()}) > "
-            f"{cost.against_budget()}. Fix: {raise_budget}cluster.host_mem_gb=<the nodes' memory, GiB> where "
-            "they have more, more ranks to shard the state over (parallel.zero=3, more cluster.nodes), or "
-            "checkpoint.memory_every=0 (disk checkpoints alone)")
 
 
 def recovery_advice(cfg: Config) -> list[str]:

@@ -3,12 +3,15 @@
 A rank's snapshot holds what its checkpoint saves: its shard of the fp32 parameters and of Adam's
 moments, 12 bytes a trained parameter before sharding (the planner's async staging, which also counts
 the bf16 copy FSDP2 gathers, prices 14). A node
-keeps, for each of its ranks, COPIES snapshots at once (checkpoint.memory_budget's docstring); the login
-node refuses a run whose snapshots would take more than checkpoint.memory_budget x cluster.host_mem_gb
-(hpctrain.checks.config_checks.recovery_problems), and the plan's text shows the figure.
+keeps, for each of its ranks, COPIES snapshots at once; a plan whose snapshots would take more than
+checkpoint.memory_budget x cluster.host_mem_gb on a node cannot run (snapshot_problems, one of the plan's
+problems: the login node refuses it as it refuses one over the device memory), and the plan's text and
+plan.json show the figure either way. The config's own refusals of the keys are
+hpctrain.checks.config_checks.recovery_problems.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hpctrain.core import words
@@ -89,3 +92,19 @@ def snapshot_cost(job: Job) -> SnapshotCost | None:
     rank = max(rank_state_bytes(job, s) for s in pipeline_ranks(job))
     return SnapshotCost(every=ck.memory_every, rank_bytes=rank, ranks_per_node=ranks_per_node(job.cluster),
                         budget=ck.memory_budget, host_mem_gb=job.cluster.host_mem_gb)
+
+
+def snapshot_problems(job: Job) -> list[str]:
+    """The plan's refusal of snapshots over the budget, with the numbers and the fixes; [] where they
+    fit or are off."""
+    cost = snapshot_cost(job)
+    # a budget or a host memory out of range (0, nan) is the config checks' to refuse (RANGES): there
+    # is no figure to compare with
+    if cost is None or not (0 < cost.budget <= 1 and 0 < cost.host_mem_gb < math.inf) or cost.fits:
+        return []
+    share = math.ceil(cost.node_bytes / (cost.host_mem_gb * GiB) * 100) / 100
+    raise_budget = f"checkpoint.memory_budget={share:g} where the nodes can spare that much, " if share <= 1 else ""
+    return [f"memory snapshots take {gib(cost.node_bytes)} per node ({cost.arithmetic()}) > "
+            f"{cost.against_budget()}. Fix: {raise_budget}cluster.host_mem_gb=<the nodes' memory, GiB> where "
+            "they have more, more ranks to shard the state over (parallel.zero=3, more cluster.nodes), or "
+            "checkpoint.memory_every=0 (disk checkpoints alone)"]

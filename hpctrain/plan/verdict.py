@@ -12,7 +12,7 @@ from hpctrain.core.spec import Layout
 from hpctrain.core.flops import param_counts, train_flops_per_token
 from hpctrain.plan.memory import GiB, Job, Memory, gib, memory
 from hpctrain.plan.search import SearchResult, knobs, layout_problems, nearest
-from hpctrain.plan.snapshots import COPIES, snapshot_cost
+from hpctrain.plan.snapshots import COPIES, snapshot_cost, snapshot_problems
 from hpctrain.plan.context import attention_kept
 from hpctrain.plan.throughput import HPCTRAIN, MEGATRON, Software, Throughput, megatron_flops_per_token, throughput
 
@@ -52,7 +52,7 @@ def plan(job: Job, sw: Software = HPCTRAIN) -> Plan:
     figures are computed even for a layout that cannot run, so the user sees by how much it misses."""
     mem = memory(job)
     return Plan(job=job, memory=mem, time=throughput(job, sw),
-                problems=[msg for _, msg in layout_problems(job)] + mem.problems)
+                problems=[msg for _, msg in layout_problems(job)] + mem.problems + snapshot_problems(job))
 
 
 def plan_dict(p: Plan) -> dict:
@@ -140,8 +140,7 @@ def summary(p: Plan) -> str:
              + f" per rank x {m.ranks_per_node}"
              + (f"; NVMe per node {gib(m.nvme_per_node)} of {gib(m.nvme_limit)}" if m.nvme_per_rank else ""),
              *([spares_line(c)] if c.spare_nodes > 0 else []),
-             *([snapshots.describe() + ("" if snapshots.fits else " (over the budget: refused)")]
-               if (snapshots := snapshot_cost(j)) else []),
+             *([snapshots.describe()] if (snapshots := snapshot_cost(j)) else []),
              f"step {t.step_time_s:.3g} s ({words.plural(j.microbatches, 'micro-batch', 'micro-batches')} of "
              f"{j.spec.micro_batch} x {j.spec.seq_len}): "
              + _parts(t.breakdown, _seconds, t.step_time_s),
