@@ -174,6 +174,14 @@ def test_a_budget_above_the_whole_memory_names_no_share(base):
     assert "checkpoint.memory_budget=" not in msg.split("Fix:")[1], msg
 
 
+def test_the_budget_fix_names_zero_3_only_below_it(base):
+    """ZeRO-3 shards all of the state already: the fix offers parallel.zero=3 only below it. Mutant: the
+    fix's parallel.zero=3 whatever the stage."""
+    tight = updated(base, {"cluster.host_mem_gb": 1e-6})
+    assert "parallel.zero=3" not in only(budget_problems(tight))
+    assert "(parallel.zero=3, more cluster.nodes)" in only(budget_problems(updated(tight, {"parallel.zero": 1})))
+
+
 @pytest.mark.parametrize("budget", [0.0, -0.5, 1.5, float("nan")])
 def test_memory_budget_outside_its_range_is_refused_once(base, budget):
     """(0, 1]: refused by its RANGES row with the default as fix, and the budget check says nothing more

@@ -103,8 +103,10 @@ def snapshot_problems(job: Job) -> list[str]:
     if cost is None or not (0 < cost.budget <= 1 and 0 < cost.host_mem_gb < math.inf) or cost.fits:
         return []
     share = math.ceil(cost.node_bytes / (cost.host_mem_gb * GiB) * 100) / 100
+    # below ZeRO-3 some of the state is whole on every rank (trained_state_bytes)
+    zero = "parallel.zero=3, " if job.spec.zero < 3 else ""
     raise_budget = f"checkpoint.memory_budget={share:g} where the nodes can spare that much, " if share <= 1 else ""
     return [f"memory snapshots take {gib(cost.node_bytes)} per node ({cost.arithmetic()}) > "
             f"{cost.against_budget()}. Fix: {raise_budget}cluster.host_mem_gb=<the nodes' memory, GiB> where "
-            "they have more, more ranks to shard the state over (parallel.zero=3, more cluster.nodes), or "
+            f"they have more, more ranks to shard the state over ({zero}more cluster.nodes), or "
             "checkpoint.memory_every=0 (disk checkpoints alone)"]
