@@ -28,10 +28,10 @@ from helpers import REPO, run_cli
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-# checkpoint.memory_every: 0 resumes from disk checkpoints (today); 1 snapshots every step into the ranks'
-# memory and resumes from there (issue 47), the preempted run's restart with dp 2 -> 1 still from disk.
-# Flip to 1 once memory snapshots are integrated: nothing else here changes.
-MEMORY_EVERY = 0
+# checkpoint.memory_every: 1 snapshots every step into the nodes' memory, and the crash and the hang
+# resume from there, the survivor in its process (issue 47); the restart with dp 2 -> 1 resumes from disk.
+# 0 runs the same resumes from disk checkpoints only: nothing else here changes.
+MEMORY_EVERY = 1
 
 STEPS, G, MICRO, EVERY, SEQ = 24, 16, 4, 4, 64
 WEIGHTS = (0.5, 0.3, 0.2)

@@ -166,6 +166,19 @@ def test_choose_disk_on_world_change():
     assert c["kind"] == "disk" and "hold the shards of 4 ranks; the run continues on 2" in c["why"]
 
 
+def test_choose_world_change_names_a_rank_whose_copies_are_all_lost():
+    """3 nodes lose n2 and n3 at once and the run goes on on n1 (world 3 -> 1): disk, for the world, and
+    the message says rank 1's two copies went with the two nodes (no spare would have saved memory).
+    Mutant: the lost copies not looked for when the world changed."""
+    plan = {"rank_nodes": {"0": "n1"}, "previous_rank_nodes": {"0": "n1", "1": "n2", "2": "n3"},
+            "previous_ring": ["n1", "n2", "n3"], "lost": ["n2", "n3"]}
+    inv = {"n1": [[0, 12, "own"], [2, 12, "peer"]]}
+    c = choose(inv, 1, 10, plan)
+    assert c == {"kind": "disk", "step": 10, "why": "memory snapshots hold the shards of 3 ranks; the run continues "
+                 "on 1 (rank 1's snapshots were on n2 (own) and n3 (replica), both lost): resuming from the disk "
+                 "checkpoint of step 10"}
+
+
 def test_choose_is_the_same_whatever_the_order():
     """Every rank computes it: mutant sorting nothing (the first node gathered wins)."""
     a = {"n2": [[1, 6, "own"], [0, 6, "peer"]], "n1": [[0, 6, "peer"], [1, 6, "peer"]]}

@@ -71,8 +71,10 @@ def choose(inventories: dict, world: int, disk_newest: Optional[int], plan: Opti
     copies = _copies(inventories)
     prev = (plan or {}).get("previous_rank_nodes")
     if isinstance(prev, dict) and prev and len(prev) != world:
-        return _disk(disk_newest, f"memory snapshots hold the shards of {len(prev)} ranks; the run continues "
-                                  f"on {world}")
+        why = f"memory snapshots hold the shards of {len(prev)} ranks; the run continues on {world}"
+        # Said too where the lost nodes took every copy of some rank's snapshot: a spare would not have helped.
+        gone = next((r for r in range(len(prev)) if not copies.get(r)), None)
+        return _disk(disk_newest, why + (f" ({_gone(gone, plan, copies)})" if gone is not None else ""))
     if not copies:
         return _disk(disk_newest, "no memory snapshots on the live nodes")
     complete = [s for s in set().union(*(set(v) for v in copies.values()))

@@ -173,6 +173,14 @@ def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[st
     max_cpus = max((n[0] for n in part.nodes), default=0)
     max_gpus = max((n[1] for n in part.nodes), default=0)
     fitting = sum(1 for n_cpus, n_gpus in part.nodes if n_cpus >= cpus and n_gpus >= gpus)
+    # The job asks for its spares too (cluster.spare_nodes: idle nodes that replace a lost one).
+    spares = max(0, c.spare_nodes)
+    asked = c.nodes + spares
+    nodes_key = (f"cluster.nodes={c.nodes} + cluster.spare_nodes={spares} = {asked} nodes" if spares
+                 else f"cluster.nodes={c.nodes}")
+
+    def nodes_fix(n: int) -> str:
+        return (f"cluster.nodes + cluster.spare_nodes = {n}" if spares else f"cluster.nodes={n}")
     if gpus > max_gpus:
         # The job's GPUs are what it was planned for: a partition that has them is the fix, not fewer GPUs.
         with_gpus = sorted(n for n, q in partitions.items() if max((g for _, g in q.nodes), default=0) >= gpus)
@@ -187,13 +195,13 @@ def partition_problems(cfg: Config, partitions: dict[str, Partition]) -> list[st
                    f"of {key} has more than {max_cpus} CPUs. Fix: at most {fix_tasks} task(s) per node "
                    f"({'cluster.gpus_per_node' if gpus else 'cluster.tasks_per_node'}={fix_tasks}), "
                    "or fewer cluster.cpus_per_task")
-    elif c.nodes > len(part.nodes):
-        out.append(f"cluster.nodes={c.nodes} but {key} has only {len(part.nodes)} nodes. "
-                   f"Fix: cluster.nodes={len(part.nodes)} (or fewer), or another partition")
-    elif c.nodes > fitting:
-        out.append(f"cluster.nodes={c.nodes} but only {fitting} nodes of {key} have {cpus} CPUs"
+    elif asked > len(part.nodes):
+        out.append(f"{nodes_key} but {key} has only {len(part.nodes)} nodes. "
+                   f"Fix: {nodes_fix(len(part.nodes))} (or fewer), or another partition")
+    elif asked > fitting:
+        out.append(f"{nodes_key} but only {fitting} nodes of {key} have {cpus} CPUs"
                    f"{f' and {gpus} GPUs' if gpus else ''} free for {tasks} tasks. "
-                   f"Fix: cluster.nodes={fitting} (or fewer), or fewer tasks per node")
+                   f"Fix: {nodes_fix(fitting)} (or fewer), or fewer tasks per node")
     try:
         limit = parse_time(c.time)
     except ValueError:

@@ -422,7 +422,7 @@ def advice(cfg: Config) -> list[str]:
     """What the login node warns about without refusing: the run can start, but probably not as meant."""
     from hpctrain.data.shards import read_meta
 
-    d, out = cfg.data, []
+    d, out = cfg.data, recovery_advice(cfg)
     if d.source != "shards" or d.document_mask:
         return out
     for path in [s.path for s in d.sources] or [d.path]:

@@ -485,8 +485,9 @@ class CheckpointConfig:
     memory_dir: str = "/dev/shm"
     """A tmpfs on every node where snapshots live (<memory_dir>/hpctrain-<job>-<run id>/)."""
     memory_budget: float = 0.25
-    """Fraction of cluster.host_mem_gb the snapshots may take on a node (ranks per node x state x 4:
-    two steps, own and replica); above it the login node refuses, with the numbers."""
+    """Fraction of cluster.host_mem_gb the snapshots may take on a node (ranks per node x state x 5:
+    two steps of its own, two of the partner's replica, one being written); above it the login node
+    refuses, with the numbers."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from hpctrain.checkpoint.memory import MemorySnapshots, current_plan
 from hpctrain.checkpoint.rng import RNG
 from hpctrain.data import build_dataset, eos_id
 from hpctrain.train.batch import BatchLayout
-from hpctrain.train.sampler import IGNORE, StepSampler
+from hpctrain.train.sampler import IGNORE, StepSampler, data_trace
 from hpctrain.distributed.mesh import build_mesh
 from hpctrain.models.llama import build_meta, init_param_
 from hpctrain.parallel import parallelize
@@ -147,7 +147,8 @@ class Trainer:
         self.rows = 2 if spec.dpo else 1  # sequences per sample: a preference pair is two
         self.dpo_metrics: dict = {}  # the last step's preference.METRICS
         self.sampler = StepSampler(dataset, cfg.train.global_batch, cfg.train.micro_batch,
-                                   self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed)
+                                   self.meshes["data"].get_local_rank(), self.meshes["data"].size(), cfg.data.seed,
+                                   trace=data_trace(run_dir))  # HPCTRAIN_DATA_TRACE=1 only
         self.progress = Progress()
         # train.precision=fp16: dynamic loss scaling, its state in checkpoints (only then: checkpoints of other
         # precisions, older ones included, have no "scaler" entry and need none).
