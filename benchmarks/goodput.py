@@ -386,6 +386,20 @@ def plot_long(run_dir: Path, res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def clear_out(out: Path, runs: tuple[str, ...]) -> None:
+    """--out is the user's directory: only what an earlier run of this benchmark wrote there goes (its run
+    directories, each recognised by its config.yaml, results.json and goodput.png); anything else stays."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in runs:
+        d = out / name
+        if d.exists():
+            if not (d / "config.yaml").is_file():
+                sys.exit(f"goodput.py: {d} is not a run this benchmark wrote (no config.yaml): give another --out")
+            subprocess.run(["rm", "-rf", str(d)], check=True)
+    for name in ("results.json", "goodput.png"):
+        (out / name).unlink(missing_ok=True)
+
+
 def fmt(x, spec: str = ".1f", unit: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{unit}"
 
@@ -393,8 +407,7 @@ def fmt(x, spec: str = ".1f", unit: str = "") -> str:
 def main_minutes(a) -> int:
     from hpctrain.report.goodput import restored_text
 
-    subprocess.run(["rm", "-rf", str(a.out)])
-    a.out.mkdir(parents=True)
+    clear_out(a.out, ("no_snapshots", "failures"))
     subprocess.run(["bash", str(REPO / "slurm" / "start.sh"), "3"], check=True, capture_output=True)
     try:
         print(f"{BASELINE_S:.0f} s without snapshots", flush=True)
@@ -451,8 +464,7 @@ def main() -> int:
         a.out = a.out or REPO / "outputs" / "bench" / "goodput-long"
         return main_minutes(a)
     a.out = a.out or REPO / "outputs" / "bench" / "goodput"
-    subprocess.run(["rm", "-rf", str(a.out)])
-    a.out.mkdir(parents=True)
+    clear_out(a.out, ("baseline", "failures"))
     slow = "slow_step:ms=100"
     crash, hang, node = int(0.2 * a.steps), int(0.45 * a.steps), int(0.7 * a.steps)
     print("undisturbed run", flush=True)

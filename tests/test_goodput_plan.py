@@ -151,3 +151,19 @@ def test_the_report_says_where_each_restart_restored_from(tmp_path):
     (tmp_path / "interruptions.jsonl").write_text(json.dumps(r) + "\n")
     text = report(measure(tmp_path))
     assert "restored from" in text and "memory 9 (r2 n1, r3 n1) n2->n3" in text
+
+
+def test_out_keeps_what_the_benchmark_did_not_write(bench, tmp_path):
+    """--out is the user's directory. Mutant: the whole directory removed (rm -rf out, as it once was)."""
+    out = tmp_path / "out"
+    (out / "failures").mkdir(parents=True)
+    (out / "failures" / "config.yaml").write_text("x")  # an earlier run of the benchmark
+    (out / "results.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    bench.clear_out(out, ("baseline", "failures"))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "baseline").mkdir()  # not a run: refused, kept
+    (out / "baseline" / "data.bin").write_text("mine")
+    with pytest.raises(SystemExit, match="is not a run this benchmark wrote"):
+        bench.clear_out(out, ("baseline", "failures"))
+    assert (out / "baseline" / "data.bin").read_text() == "mine"
