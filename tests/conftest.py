@@ -45,7 +45,7 @@ COSTLY = {"test_checkpoint_resume.py": 330, "test_layouts.py": 340, "test_finetu
           "test_rundir_owner.py": 40, "test_nonfinite.py": 20, "test_checkpoint_whole.py": 15,
           "test_fp8.py": 240, "test_fp16.py": 130, "test_ac_modules.py": 100, "test_chunked_loss.py": 30,
           "test_dpo.py": 90, "test_qlora.py": 40, "test_adapter_checkpoint.py": 40, "test_preference_data.py": 15,
-          "test_record_shapes.py": 10}
+          "test_record_shapes.py": 10, "test_data_exactly_once.py": 60, "test_memory_snapshot.py": 30}
 
 
 # Fixtures that start ranks, train a model or build a tokenizer: a test that uses one is slow.
