@@ -1,5 +1,5 @@
 """In-memory snapshots (issue 47, checkpoint.memory_every), the rank side: the snapshot file and its damage,
-memory_plan.choose, the writer (slots, pruning, skip when busy), a restore's checks; and one 2-rank gloo
+memory_plan.choose, the writer (slots, pruning, waiting when busy), a restore's checks; and one 2-rank gloo
 launch that trains with snapshots, resumes a fresh Trainer in a new process group from memory (losses equal
 the uninterrupted run's bit for bit), refuses a damaged copy on one rank as every rank, and prefers a newer
 disk checkpoint. The launch runs this file as its worker (`python tests/test_memory_snapshot.py worker`)."""
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.checkpoint import snapfile
+from hpctrain.core import snapfile
 from hpctrain.checkpoint.memory_plan import choose, describe
-from hpctrain.checkpoint.snapfile import DamagedSnapshot
+from hpctrain.core.snapfile import DamagedSnapshot
 
 HEADER = {"version": 1, "run": "abcd1234", "step": 6, "rank": 1, "world": 2, "layout": "L", "node": "n1",
           "plain": {"progress": {"step": 6}}, "scalars": {"optim.x.flag": 3}}
@@ -227,16 +227,23 @@ def take(m, ms, step):
 
 
 def test_writer_round_trip_prune_and_close(tmp_path):
-    """Snapshots of steps 2..8: own/ keeps this rank's two newest, reusing three slot files; a restore
-    puts tensors, scalars and plain states back; close leaves complete files only. Mutants: no pruning;
-    a new slot file every step; close leaving .tmp- slots (tmpfs space); scalars not restored."""
+    """Snapshots of steps 2..8: own/ keeps this rank's two newest and unlinks the older ones (never
+    rewrites them: the agent may be sending one, and would send the new bytes under the old name); a
+    restore puts tensors, scalars and plain states back; close leaves complete files only. Mutants: no
+    pruning; a pruned file renamed into a slot and rewritten (same inode); close leaving .tmp- slots
+    (tmpfs space); scalars not restored."""
     m, ms = snapshots(tmp_path)
     assert ms.after_step(3) == {}  # not due
-    for step in (2, 4, 6, 8):
+    take(m, ms, 2)
+    first = ms.own / snapfile.name(2, 0)
+    held = open(first, "rb")  # the pusher's view of step 2's file
+    before = held.read()
+    for step in (4, 6, 8):
         assert "snapshot_ms" in take(m, ms, step)
-    assert sorted(os.listdir(ms.own)) == sorted([snapfile.name(6, 0), snapfile.name(8, 0)] +
-                                                [f for f in os.listdir(ms.own) if f.startswith(".tmp-")])
-    assert ms.slot_files == 3, "three slot files, reused"
+    held.seek(0)
+    assert held.read() == before, "a pruned snapshot was rewritten under a reader"
+    held.close()
+    assert sorted(os.listdir(ms.own)) == [snapfile.name(6, 0), snapfile.name(8, 0)]
     assert ms.inventory() == [[0, 6, "own"], [0, 8, "own"]]
     m.w.fill_(-1.0)
     m.state["optim"]["w"]["flag"] = 0
@@ -249,9 +256,10 @@ def test_writer_round_trip_prune_and_close(tmp_path):
     assert not ms._thread.is_alive()
 
 
-def test_writer_skips_when_busy(tmp_path, monkeypatch):
-    """The writer thread still busy at the next due step: that snapshot is skipped and counted, the loop
-    does not wait. Mutants: waiting for the thread; not counting; the skip not in the metrics."""
+def test_writer_waits_when_busy(tmp_path, monkeypatch):
+    """The writer thread still busy at the next due step: the loop waits for it (counted), and that step
+    is snapshotted too: every rank must hold the same steps, or a rank's skip (its shard bigger, its writer
+    slower) would leave no step that every rank has. Mutants: skipping the step; not counting the wait."""
     from hpctrain.checkpoint.memory import MemorySnapshots
 
     m, ms = snapshots(tmp_path)
@@ -259,12 +267,12 @@ def test_writer_skips_when_busy(tmp_path, monkeypatch):
     real = MemorySnapshots._finish
     monkeypatch.setattr(MemorySnapshots, "_finish", lambda self, job: gate.wait(30) and real(self, job))
     assert "snapshot_ms" in ms.after_step(2)
-    assert ms.after_step(4) == {"snapshot_skipped": 1}  # returns at once: the thread is held at the gate
-    assert ms.after_step(6) == {"snapshot_skipped": 2}
-    gate.set()
+    threading.Timer(0.3, gate.set).start()
+    out = ms.after_step(4)  # held until the thread, at the gate, has written step 2
+    assert out["snapshot_waited"] == 1 and out["snapshot_ms"] >= 200, out
     ms.wait()
-    assert take(m, ms, 8) == {"snapshot_ms": pytest.approx(0, abs=1e9), "snapshot_skipped": 2}
-    assert [s for _, s, _ in ms.inventory()] == [2, 8]
+    assert [s for _, s, _ in ms.inventory()] == [2, 4]
+    assert take(m, ms, 6) == {"snapshot_ms": pytest.approx(0, abs=1e9), "snapshot_waited": 1}
     ms.close()
 
 
@@ -440,7 +448,7 @@ def _worker(root: Path, port: int) -> None:
     out["full"] = t.fit().losses
     end(t)
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
-    out["full_rows"] = [[r["step"], r.get("snapshot_ms"), r.get("snapshot_skipped")] for r in rows]
+    out["full_rows"] = [[r["step"], r.get("snapshot_ms"), r.get("snapshot_waited")] for r in rows]
 
     t = generation(0, run, root / "mem", fault="raise:step=5,attempt=0")
     try:

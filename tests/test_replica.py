@@ -16,6 +16,21 @@ def name(step: int, rank: int) -> str:
     return f"snap-s{step:08d}-r{rank:05d}.hsnap"
 
 
+def snap(step: int, rank: int, payload: bytes = b"") -> bytes:
+    """A real snapshot file's bytes (the server reads the header of what it stores)."""
+    import tempfile
+    from pathlib import Path
+
+    from hpctrain.core import snapfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = snapfile.write(Path(d) / name(step, rank), {"version": snapfile.VERSION, "run": "r", "step": step,
+                                                          "rank": rank, "world": 2, "layout": "l", "node": "n1",
+                                                          "plain": {}, "scalars": {}},
+                              {"w": ("uint8", [len(payload)], payload)} if payload else {})
+        return path.read_bytes()
+
+
 @pytest.fixture
 def servers(tmp_path):
     made = []
@@ -59,7 +74,7 @@ def test_put_then_get_is_byte_equal_from_peer_and_own(servers, tmp_path):
     # partner serves).
     _, a_dir, _ = servers("a")
     _, b_dir, b = servers("b")
-    data = os.urandom(3 * replica.CHUNK + 12345)
+    data = snap(7, 1, os.urandom(3 * replica.CHUNK + 12345))
     src = a_dir / "own" / name(7, 1)
     src.write_bytes(data)
     put(b, src)
@@ -153,7 +168,7 @@ def test_peer_is_pruned_to_the_two_newest_steps_per_rank(servers, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for step, rank in [(10, 1), (10, 0), (20, 0), (30, 0), (40, 0)]:
-        (src / name(step, rank)).write_bytes(b"%d" % step)
+        (src / name(step, rank)).write_bytes(snap(step, rank))
         put(b, src / name(step, rank))
     assert {p.name for p in (b_dir / "peer").iterdir()} == {name(30, 0), name(40, 0), name(10, 1)}
     # The pure function alone, ignoring foreign files.
@@ -177,19 +192,19 @@ def test_pusher_pushes_the_newest_file_per_rank_once_and_skips_older(servers):
     b_srv, b_dir, b = servers("b")
     own = a_dir / "own"
     for step, rank in [(10, 0), (20, 0), (10, 1)]:
-        (own / name(step, rank)).write_bytes(b"s%d r%d" % (step, rank))
+        (own / name(step, rank)).write_bytes(snap(step, rank))
     (own / f".tmp-{name(30, 0)}").write_bytes(b"half")  # being written: never pushed
     p = Pusher(a_dir, partner=lambda: b).start()
     try:
         assert p.wait_pushed(name(20, 0), 3) and p.wait_pushed(name(10, 1), 3)
-        (own / name(30, 0)).write_bytes(b"s30 r0")
+        (own / name(30, 0)).write_bytes(snap(30, 0))
         assert p.wait_pushed(name(30, 0), 3)
     finally:
         p.stop()
     assert b_srv.received.count(name(10, 1)) == 1  # not again in the round that pushed step 30
     assert name(10, 0) not in b_srv.received
     assert {x.name for x in (b_dir / "peer").iterdir()} == {name(20, 0), name(30, 0), name(10, 1)}
-    assert (b_dir / "peer" / name(30, 0)).read_bytes() == b"s30 r0"
+    assert (b_dir / "peer" / name(30, 0)).read_bytes() == snap(30, 0)
 
 
 def test_pusher_retries_after_a_failure_and_pushes_again_to_a_new_partner(servers):
@@ -198,7 +213,7 @@ def test_pusher_retries_after_a_failure_and_pushes_again_to_a_new_partner(server
     _, a_dir, _ = servers("a")
     b_srv, b_dir, b = servers("b")
     c_srv, _, c = servers("c")
-    (a_dir / "own" / name(3, 0)).write_bytes(b"three")
+    (a_dir / "own" / name(3, 0)).write_bytes(snap(3, 0))
     (b_dir / "peer").rmdir()  # the partner refuses for now (ERR: no peer/)
     target = {"addr": b}
     seen = []
@@ -218,3 +233,17 @@ def test_pusher_retries_after_a_failure_and_pushes_again_to_a_new_partner(server
         p.stop()
     assert seen == [(name(3, 0), b), (name(3, 0), c)]
     assert b_srv.received == c_srv.received == [name(3, 0)]
+
+
+def test_a_file_whose_header_says_another_step_is_refused(servers, tmp_path):
+    """A snapshot read while its writer replaced it arrives whole (its crc matches) but holds another step:
+    kept, a restore of that step would load the wrong state. Mutant: the header not checked against the name."""
+    _, b_dir, b = servers("b")
+    f = tmp_path / name(8, 1)
+    f.write_bytes(snap(11, 1))
+    with pytest.raises(ReplicaError, match="holds step 11 of rank 1, its name says step 8 of rank 1"):
+        put(b, f)
+    f.write_bytes(b"not a snapshot file, but long enough")
+    with pytest.raises(ReplicaError, match="is not a memory snapshot"):
+        put(b, f)
+    assert list((b_dir / "peer").iterdir()) == []

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hpctrain.checkpoint import directories as store
 from hpctrain.checkpoint.memory import RestoreRefused
-from hpctrain.checkpoint.snapfile import DamagedSnapshot
+from hpctrain.core.snapfile import DamagedSnapshot
 from hpctrain.checkpoint.save_planner import ReusingSavePlanner
 from hpctrain.checkpoint.raw import RawWriter
 from hpctrain.checkpoint.safe import (DamagedCheckpoint, SafeReader, TensorOnlyLoadPlanner, check_files,
@@ -370,16 +370,25 @@ class CheckpointManager:
         rank takes the same branches: the inventories and the verdicts are gathered."""
         from hpctrain.checkpoint.memory_plan import choose, describe
 
-        plan = self.memory.plan
-        if plan is None:
-            return None, "no plan for this generation (attempts/<N>/plan.json): memory restore is off"
         if self.cfg.load_step is not None:
             return None, f"checkpoint.load_step={self.cfg.load_step} names a disk checkpoint"
+        plan = self.memory.plan
         complete = store.list_complete(self.root) if self.rank == 0 else []
-        mine = (socket.gethostname(), self.memory.inventory(), complete[-1][0] if complete else None)
+        try:
+            inventory = self.memory.inventory()
+        except OSError as e:  # said by every rank's verdict below: no rank leaves the others in a collective
+            inventory = None
+            log.warning("memory snapshots unreadable: %s", e)
+        # Gathered whatever this rank found: a plan one rank could not read (yet) must not send it alone
+        # down the disk path while the others gather here.
+        mine = (self.memory.node, inventory, complete[-1][0] if complete else None, plan is not None)
         gathered = self._gather(mine)
+        if not all(g[3] for g in gathered):
+            return None, "no plan for this generation (attempts/<N>/plan.json) on every rank: memory restore is off"
+        if any(g[1] is None for g in gathered):
+            return None, "a rank could not list its node's memory snapshots"
         inventories: dict = {}
-        for host, inv, _ in gathered:
+        for host, inv, _, _ in gathered:
             inventories.setdefault(host, []).extend(inv)
         choice = choose(inventories, self.world, gathered[0][2], plan)
         if choice["kind"] != "memory":
@@ -404,6 +413,7 @@ class CheckpointManager:
         if fault is not None:
             return None, f"the memory snapshot of step {step} is unusable: {fault}"
         self._restore(state)
+        loaded.forget_fetched()  # a copy fetched from another node is not kept beside the node's own
         self.last_saved = None  # nothing of this state is on disk
         if self.rank == 0:
             log.info("%s", describe(choice))

@@ -1,5 +1,5 @@
 """In-memory snapshots (checkpoint.memory_every): every rank copies its local shards and its plain states
-into a file on the node's tmpfs (HPCTRAIN_MEMORY_DIR/own/, hpctrain.checkpoint.snapfile's format), which
+into a file on the node's tmpfs (HPCTRAIN_MEMORY_DIR/own/, hpctrain.core.snapfile's format), which
 the node's agent replicates to the partner node; a restart of the same layout loads the newest step every
 rank has a copy of (hpctrain.checkpoint.memory_plan), through CheckpointManager.resume.
 
@@ -8,8 +8,9 @@ Writing, per due step (`after_step`): one synchronous copy of the local shards i
 the loop); on CUDA a non_blocking copy into a reused pinned buffer and an event instead. A background
 thread then (waits for the event and fills the file,) checksums the payload, writes the header, renames
 the slot to its final name (complete or absent) and prunes this rank's files in own/ to the KEEP newest
-steps, recycling the pruned files as slots. If the thread is still busy at the next due step that
-snapshot is skipped and counted: the loop never waits for it.
+steps, unlinking the pruned ones. If the thread is still busy at the next due step, the loop waits for
+it (counted as `snapshot_waited`): every rank must snapshot the same steps, or no step would be one that
+every rank has.
 
 Reading: `prepare` locates a rank's file (own node, or fetched from another node's agent), verifies it
 and checks it against the live state without changing anything; `apply` then copies it in. The manager
@@ -34,8 +35,8 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from hpctrain.checkpoint import snapfile
-from hpctrain.checkpoint.snapfile import DamagedSnapshot
+from hpctrain.core import snapfile
+from hpctrain.core.snapfile import DamagedSnapshot
 from hpctrain.checkpoint.validate import first_nonfinite, own_problem, state_problem
 from hpctrain.core import faults
 from hpctrain.core.rundir import attempt_dir
@@ -170,12 +171,13 @@ class MemorySnapshots:
         resume then tries memory first). `directory`: the node's memory directory (HPCTRAIN_MEMORY_DIR)."""
         self.manager, self.dir, self.every, self.plan = manager, Path(directory), int(every), plan
         self.rank, self.world = manager.rank, manager.world
-        self.node = socket.gethostname()
+        # The node's name as Slurm and the plan give it (the agent's --node), which a host's name may not be.
+        self.node = os.environ.get("HPCTRAIN_NODE") or socket.gethostname()
         self.run = run_id(manager.run_dir)
         self.layout = layout_id(manager.meta.get("layout"), self.world)
         self.own = self.dir / OWN
         self.own.mkdir(parents=True, exist_ok=True)
-        self.skipped = 0  # due snapshots skipped because the previous one was still being written
+        self.waited = 0  # due snapshots that waited for the previous one to be written
         self.taken = 0
         self.off: Optional[str] = None  # why snapshots stopped (a full tmpfs), once
         self._nonce = secrets.token_hex(3)
@@ -201,17 +203,19 @@ class MemorySnapshots:
         return bool(self.every) and step % self.every == 0 and step < self.manager.total_steps and self.off is None
 
     def after_step(self, step: int) -> dict:
-        """Snapshot `step` when due. Returns the step's metrics: {"snapshot_ms": time the loop was held}
-        when taken, {"snapshot_skipped": count so far} when the writer was still busy (and the count on
-        later snapshots' rows)."""
+        """Snapshot `step` when due. Returns the step's metrics: {"snapshot_ms": time the loop was held,
+        waiting for a busy writer included} when taken, and {"snapshot_waited": count so far} once the loop
+        had to wait for the writer."""
         if not self.due(step):
             return {}
-        with self._cv:
-            busy = self._job is not None
-        if busy:
-            self.skipped += 1
-            return {"snapshot_skipped": self.skipped}
+        # Every rank snapshots the same steps: a rank that skipped one while its writer was busy would leave
+        # no step that every rank has (restores need one). A writer still busy is waited for, and counted.
         t0 = time.perf_counter()
+        with self._cv:
+            if self._job is not None:
+                self.waited += 1
+            while self._job is not None:
+                self._cv.wait()
         try:
             self._take(step)
         except OSError as e:  # no room on the tmpfs: the run goes on with disk checkpoints alone
@@ -220,8 +224,8 @@ class MemorySnapshots:
             return {}
         self.taken += 1
         out = {"snapshot_ms": round((time.perf_counter() - t0) * 1e3, 3)}
-        if self.skipped:
-            out["snapshot_skipped"] = self.skipped
+        if self.waited:
+            out["snapshot_waited"] = self.waited
         return out
 
     @torch.no_grad()  # (DTensor.to_local is then the local tensor itself, without autograd's wrapper)
@@ -320,7 +324,9 @@ class MemorySnapshots:
 
     def _prune(self, newest: int) -> None:
         """This rank's files in own/: the KEEP newest steps up to `newest`; later ones are a future a
-        restore discarded. Pruned files of this writer become free slots."""
+        restore discarded. Pruned files are unlinked, never written again: the agent's pusher may still be
+        reading one (an open file outlives its name), and a file rewritten under it would reach the partner
+        under the old step's name."""
         mine = sorted((s, f) for f in os.listdir(self.own) if (p := snapfile.parse_name(f)) and p[1] == self.rank
                       for s in (p[0],))
         kept = [f for s, f in mine if s <= newest][-KEEP:]
@@ -328,19 +334,9 @@ class MemorySnapshots:
             if f in kept:
                 continue
             slot = self._complete.pop(f, None)
-            try:
-                if slot is not None and len(self._free) < SLOTS:
-                    fresh = self._slot_name()
-                    os.replace(self.own / f, fresh)
-                    slot.path = fresh
-                    self._free.append(slot)
-                else:
-                    (self.own / f).unlink(missing_ok=True)
-                    if slot is not None:
-                        slot.unmap()
-            except FileNotFoundError:  # removed by someone else (the agent's cleanup)
-                if slot is not None:
-                    slot.unmap()
+            (self.own / f).unlink(missing_ok=True)  # gone already: the agent's cleanup
+            if slot is not None:
+                slot.unmap()
 
     def _remove_stale(self) -> None:
         """Slot files of this rank that an earlier process (or Trainer) left: not snapshots, only space."""
@@ -461,6 +457,12 @@ class Loaded:
     header: dict
     live: list
     sources: dict
+
+    def forget_fetched(self) -> None:
+        """A file fetched from another node's agent for this restore: removed once loaded (the node keeps
+        only its own ranks' snapshots and its partner's replicas)."""
+        if self.path.parent.name == FETCHED:
+            self.path.unlink(missing_ok=True)
 
     @torch.no_grad()
     def apply(self, objects: dict) -> None:

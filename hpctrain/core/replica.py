@@ -22,16 +22,17 @@ import collections
 import itertools
 import logging
 import os
-import re
 import socket
 import threading
 import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
+from hpctrain.core import snapfile
+
 log = logging.getLogger("hpctrain.replica")
 
-NAME = re.compile(r"^snap-s(\d{8})-r(\d{5})\.hsnap$")
+NAME = snapfile.NAME_RE  # the snapshot files' names: nothing else is sent or stored
 KEEP_STEPS = 2  # per rank in peer/: the newest and the one before it (the newest may be mid-replace elsewhere)
 MAX_BYTES = 1 << 40  # one rank's snapshot; a larger announced size is a damaged or hostile header
 LINE_MAX = 256  # a header line is ~60 characters
@@ -44,10 +45,7 @@ class ReplicaError(OSError):
     """A transfer that did not complete: refused by the peer, cut, or damaged (the message says which)."""
 
 
-def parse_name(name: str) -> Optional[tuple[int, int]]:
-    """(step, rank) of a snapshot file name, None for any other name (paths, temporaries, foreign files)."""
-    m = NAME.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+parse_name = snapfile.parse_name  # (step, rank) of a snapshot's name; None for paths, temporaries, foreign files
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -156,7 +154,10 @@ def _parse_size_crc(fields: list[str], max_bytes: int) -> tuple[int, int]:
 class ReplicaServer:
     """Receives the partner node's snapshots into peer/ and serves own/ and peer/ files to other nodes."""
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int = MAX_BYTES, io_timeout_s: float = IO_TIMEOUT_S):
+    def __init__(self, directory: str | os.PathLike, max_bytes: int = MAX_BYTES, io_timeout_s: float = IO_TIMEOUT_S,
+                 bind: str = "0.0.0.0"):
+        """`bind`: the address to listen on (the node's own; 127.0.0.1 for a run on one machine)."""
+        self.bind = bind
         self.directory = Path(directory)
         self.peer = self.directory / "peer"
         self.max_bytes = max_bytes
@@ -173,7 +174,7 @@ class ReplicaServer:
         self.peer.mkdir(mode=0o700, parents=True, exist_ok=True)
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", 0))
+        s.bind((self.bind, 0))
         s.listen(16)
         s.settimeout(0.2)  # accept wakes up to see stop()
         self._sock, self.port = s, s.getsockname()[1]
@@ -240,11 +241,17 @@ class ReplicaServer:
                 os.close(fd)
             if got != crc:
                 raise ReplicaError(f"crc mismatch: the bytes give {got}, the header says {crc}")
+            # The snapshot's own header must say what its name says: a file read while its writer
+            # replaced it would otherwise be kept as another step's (restores check it again).
+            head = snapfile.read_header(tmp)
+            if (head.get("step"), head.get("rank")) != sr:
+                raise ReplicaError(f"the file holds step {head.get('step')} of rank {head.get('rank')}, its name "
+                                   f"says step {sr[0]} of rank {sr[1]}")
             with self._lock:
                 os.replace(tmp, self.peer / name)
                 prune(self.peer, sr[1])
                 self.received.append(name)
-        except (OSError, ReplicaError) as e:
+        except (OSError, ReplicaError, snapfile.DamagedSnapshot) as e:
             tmp.unlink(missing_ok=True)
             log.warning("replica: PUT %s refused: %s", name, e)
             return f"ERR {e}"
