@@ -291,10 +291,17 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def first_start(run_dir: Path) -> float | None:
+    """When the first start began: attempts.jsonl's record is written only when that start ends (with the
+    node agents, at the first failure), so until then the time its ranks said where they run."""
     from hpctrain.core.rundir import read_jsonl
 
     a = read_jsonl(run_dir / "attempts.jsonl") if (run_dir / "attempts.jsonl").exists() else []
-    return a[0]["start"] if a else None
+    if a:
+        return a[0]["start"]
+    try:
+        return (run_dir / "attempts" / "0" / "ranks.json").stat().st_mtime
+    except OSError:
+        return None
 
 
 RUNNING = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED")

@@ -200,6 +200,7 @@ def generations(run_dir: Path, preemption: Preemption) -> int:
                 watchdog.stop()
         gen.teardown(trainer)
         del trainer
+        gen.say_waiting(adir, de.rank)  # only now may the supervisor keep this rank for the next generation
         nxt = plans.wait_next(run_dir, g, de.rank, cfg.launcher.timeout_s)
         if nxt is None:
             log.error("no next generation keeps this rank: ending")

@@ -36,9 +36,10 @@ def test_each_run_and_job_has_its_own_snapshot_directory(tmp_path):
     """Two runs on one node, or the same run dir in two jobs, never share files; the name holds what
     the agent may delete. Mutant: the run id not in the name."""
     a, b = tmp_path / "a", tmp_path / "b"
-    assert memory_dir("/dev/shm", a, "17") != memory_dir("/dev/shm", b, "17")
-    assert memory_dir("/dev/shm", a, "17") != memory_dir("/dev/shm", a, "18")
-    assert memory_dir("/dev/shm", a, None).name == f"hpctrain-local-{run_id(a)}"
+    assert memory_dir("/dev/shm", a, "17", "n1") != memory_dir("/dev/shm", b, "17", "n1")
+    assert memory_dir("/dev/shm", a, "17", "n1") != memory_dir("/dev/shm", a, "18", "n1")
+    assert memory_dir("/dev/shm", a, "17", "n1") != memory_dir("/dev/shm", a, "17", "n2")
+    assert memory_dir("/dev/shm", a, None, "n1").name == f"hpctrain-local-{run_id(a)}-n1"
     assert len(run_id(a)) == 8
 
 
@@ -74,3 +75,26 @@ def test_a_survivor_rejoins_only_a_plan_that_keeps_it(tmp_path):
     t0 = time.monotonic()
     assert wait_next(tmp_path, 3, 1, timeout_s=0.3) is None
     assert time.monotonic() - t0 < 5
+
+
+def test_a_spare_takes_the_lost_nodes_place():
+    """n1 lost from [n1, n2] with the spare n3: [n3, n2], so rank 1 stays on n2 in its process and only
+    n1's ranks move. Mutant: the usable nodes in allocation order ([n2, n3]: every rank moves)."""
+    from hpctrain.launch.supervise import keep_places
+
+    assert keep_places(["n1", "n2"], ["n2", "n3"], 2) == ["n3", "n2"]
+    assert keep_places(["n1", "n2"], ["n1", "n3"], 2) == ["n1", "n3"]
+    assert keep_places(["n1", "n2"], ["n1", "n2", "n3"], 2) == ["n1", "n2"]
+    assert keep_places([], ["n1", "n2", "n3"], 2) == ["n1", "n2"]  # the first start
+
+
+def test_memory_dir_must_be_a_tmpfs(tmp_path):
+    """Snapshots on a disk or a shared file system are not the node's memory (and a shared one would be
+    every node's). Mutant: any directory accepted."""
+    from hpctrain.core.replica import fs_type, memory_root_problem
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("tmpfs /dev/shm tmpfs rw 0 0\n/dev/sda1 / ext4 rw 0 0\nnfs:/x /shared nfs rw 0 0\n")
+    assert fs_type("/dev/shm/a", str(mounts)) == "tmpfs" and fs_type("/shared/a", str(mounts)) == "nfs"
+    assert fs_type("/sharedx", str(mounts)) == "ext4"  # a prefix of the name is not the mount point
+    assert memory_root_problem(str(tmp_path / "none")).endswith("is not a directory on " + __import__("socket").gethostname())

@@ -94,6 +94,12 @@ REFUSALS = {
              ["offload.target=nvme", "a memory snapshot does not hold", "Fix: offload.target=cpu (or none)"]),
     "relative dir": ({"checkpoint.memory_dir": "shm"},
                      ["checkpoint.memory_dir=shm must be an absolute path", "Fix: checkpoint.memory_dir=/dev/shm"]),
+    # This machine's own root file system: a disk, not its memory (checked on the login node for launcher=local,
+    # where it is the node; each agent checks its own node otherwise).
+    "not a tmpfs": ({"checkpoint.memory_dir": "/", "launcher.name": "local"},
+                    ["checkpoint.memory_dir=/ is on a", "not a tmpfs", "Fix: checkpoint.memory_dir=/dev/shm"]),
+    "container": ({"cluster.container_image": "nvcr.io#nvidia/pytorch:24.05-py3"},
+                  ["cluster.container_image", "are not started in the image", "or checkpoint.memory_every=0"]),
 }
 
 

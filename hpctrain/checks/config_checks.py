@@ -688,6 +688,16 @@ def _memory_snapshot_problems(cfg: Config) -> list[str]:
     if not os.path.isabs(ck.memory_dir):
         out.append(f"checkpoint.memory_dir={ck.memory_dir} must be an absolute path (a tmpfs on every node; the "
                    f"ranks start in other directories). Fix: checkpoint.memory_dir=/dev/shm")
+    elif launcher == "local":  # this machine is the node: its file system is known here (else each agent checks)
+        from hpctrain.core.replica import memory_root_problem
+
+        problem = memory_root_problem(ck.memory_dir)
+        if problem:
+            out.append(problem)
+    if cfg.cluster.container_image:
+        out.append("checkpoint.memory_every with cluster.container_image: the node agents that hold the snapshots "
+                   "and fork the ranks are not started in the image. Fix: run without the container (the ranks "
+                   f"then use this checkout's environment), {off}")
     if str(cfg.offload.target) == "nvme":
         out.append("checkpoint.memory_every with offload.target=nvme: the optimizer state lives in files on the "
                    f"node's NVMe, which a memory snapshot does not hold. Fix: offload.target=cpu (or none), {off}")

@@ -415,3 +415,38 @@ class Pusher:
                 self._cond.notify_all()
             if self.on_pushed:
                 self.on_pushed(name, addr)
+
+
+# ------------------------------------------------------------------ the node's memory directory
+
+LOCAL_FS = ("tmpfs", "ramfs")
+
+
+def fs_type(path: str, mounts: str = "/proc/mounts") -> Optional[str]:
+    """The file system type of the mount holding `path` (the longest mount point above it)."""
+    real = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def memory_root_problem(root: str) -> Optional[str]:
+    """Why checkpoint.memory_dir cannot hold snapshots on this node, or None: it must be an existing
+    directory on a tmpfs (RAM of this node, gone with it; a shared or disk file system is neither)."""
+    if not os.path.isdir(root):
+        return f"checkpoint.memory_dir={root} is not a directory on {socket.gethostname()}"
+    kind = fs_type(root)
+    if kind not in LOCAL_FS:
+        return (f"checkpoint.memory_dir={root} is on a {kind or 'unknown'} file system on {socket.gethostname()}, "
+                "not a tmpfs: snapshots must be in the node's memory. Fix: checkpoint.memory_dir=/dev/shm")
+    return None

@@ -95,6 +95,16 @@ def is_timeout(error: BaseException) -> bool:
     return "Timed out waiting" in text or "timed out" in text.lower()
 
 
+def waiting_file(adir: Path, rank: int) -> Path:
+    return adir / f"waiting-rank-{rank}"
+
+
+def say_waiting(adir: Path, rank: int) -> None:
+    """This rank has dropped its generation and waits for the next plan: the supervisor keeps only such
+    ranks (one that reported an error and is about to exit is not one)."""
+    waiting_file(adir, rank).touch()
+
+
 def teardown(trainer) -> None:
     """What held the old generation's process group goes, so that the next can be made in this process."""
     import torch.distributed as dist

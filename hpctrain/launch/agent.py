@@ -45,8 +45,10 @@ def run_id(run_dir: str | os.PathLike) -> str:
     return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:8]
 
 
-def memory_dir(root: str, run_dir: str | os.PathLike, job: Optional[str]) -> Path:
-    return Path(root) / f"hpctrain-{job or 'local'}-{run_id(run_dir)}"
+def memory_dir(root: str, run_dir: str | os.PathLike, job: Optional[str], node: str) -> Path:
+    """The node's directory for the run: the job, the run and the node in its name, so that two runs, two
+    jobs of one run, or two nodes (a memory_dir wrongly on a shared file system) never share one."""
+    return Path(root) / f"hpctrain-{job or 'local'}-{run_id(run_dir)}-{node}"
 
 
 def rank_state(pid: int) -> str:
@@ -63,7 +65,8 @@ def rank_state(pid: int) -> str:
 class Agent:
     def __init__(self, run_dir: Path, node: str, supervisor: str, host: str, memory_root: str, job: Optional[str]):
         self.run_dir, self.node, self.host = run_dir, node, host
-        self.dir = memory_dir(memory_root, run_dir, job)
+        self.root = memory_root
+        self.dir = memory_dir(memory_root, run_dir, job, node)
         addr, _, port = supervisor.rpartition(":")
         self.sock = socket.create_connection((addr, int(port)), timeout=30)
         self.sock.settimeout(None)
@@ -75,19 +78,29 @@ class Agent:
     # ------------------------------------------------------------------ setup
 
     def prepare(self) -> None:
+        from hpctrain.core import replica  # torch-free
+
+        problem = replica.memory_root_problem(self.root)
+        if problem:
+            raise SystemExit(f"hpctrain agent: error: {problem}")
         for sub in SUBDIRS:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         from hpctrain.core import replica  # torch-free
 
-        self.replicas = replica.ReplicaServer(self.dir)
+        # Listening on this node's address only (the loopback for a run on one machine).
+        try:
+            bind = socket.gethostbyname(self.host)
+        except OSError:
+            bind = "0.0.0.0"
+        self.replicas = replica.ReplicaServer(self.dir, bind=bind)
         port = self.replicas.start()
         self.pusher = replica.Pusher(self.dir, lambda: self.partner)
         self.pusher.start()
         from hpctrain.launch.forkserver import ForkServer
 
         cmd = [sys.executable, "-m", "hpctrain.run", str(self.run_dir)]
-        env = {**os.environ, "HPCTRAIN_MEMORY_DIR": str(self.dir)}
+        env = {**os.environ, "HPCTRAIN_MEMORY_DIR": str(self.dir), "HPCTRAIN_NODE": self.node}
         out = err = None
         if os.environ.get("HPCTRAIN_AGENT_TEE"):  # launcher=local: rank 0 on the terminal and in its log
             from hpctrain.launch.local import Tee
@@ -141,7 +154,8 @@ class Agent:
         if "start" in msg:
             rank = int(msg["start"])
             self.fork.rcs.pop(rank, None)
-            self.fork.start(rank, self.cmd, {**os.environ, "HPCTRAIN_MEMORY_DIR": str(self.dir), **msg["env"]},
+            self.fork.start(rank, self.cmd, {**os.environ, "HPCTRAIN_MEMORY_DIR": str(self.dir),
+                                             "HPCTRAIN_NODE": self.node, **msg["env"]},
                             None if msg.get("log") is None else Path(msg["log"]))
         elif "signal" in msg:
             self.fork.send({"signal": int(msg["signal"]), "signum": int(msg["signum"])})
@@ -165,12 +179,15 @@ class Agent:
                     fork.pids.pop(rank, None)
                     fork.rcs.pop(rank, None)
             fork.close()
+        # The snapshots go first, before threads that may take long to stop (a push to a dead partner):
+        # a job killed meanwhile must not leave the node's memory full.
+        if self.dir.is_dir() and self.dir.name.startswith("hpctrain-"):
+            shutil.rmtree(self.dir, ignore_errors=True)
         for part in (self.pusher, self.replicas):
             if part is not None:
                 part.stop()
         if self.tee is not None:
             self.tee.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
         try:
             self.sock.close()
         except OSError:

@@ -182,8 +182,9 @@ class AgentRunner:
     """checkpoint.memory_every > 0: one node agent per node of the allocation (spares too) for the
     supervisor's whole life, which forks ranks from its preloaded fork server; an attempt is a
     generation (hpctrain.distributed.generation). A start keeps the ranks that survived the last
-    failure (alive, reported, on the node they were on, same world) and has the agents fork only the
-    others; every rank of the new generation restores the newest memory snapshot."""
+    failure (alive, waiting for the next generation, on the node they were on, same world, not blamed)
+    and has the agents fork only the others; every rank of the new generation restores the newest
+    memory snapshot."""
 
     BEAT_TIMEOUT_S = 1.5  # three missed beats (hpctrain.launch.agent.BEAT_S): the node is lost
     HELLO_TIMEOUT_S = 120.0  # srun steps start, interpreters start (not torch: the fork server loads it behind)
@@ -239,18 +240,10 @@ class AgentRunner:
                 if all(p.poll() is not None for n, p in procs.items() if n not in self.agents):
                     break
                 continue
-            sock.settimeout(30)
-            buf = b""
-            while b"\n" not in buf:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-            if b"\n" not in buf:
-                sock.close()
+            hello, rest = self._hello(sock)
+            if hello is None or hello["hello"] not in procs or hello["hello"] in self.agents:
+                sock.close()  # not one of our agents (a port scan, a stray client): ignored
                 continue
-            line, rest = buf.split(b"\n", 1)
-            hello = json.loads(line)
             sock.setblocking(False)
             conn = AgentConn(hello["hello"], sock, hello["replica"], procs.get(hello["hello"]))
             conn.buf = rest
@@ -260,6 +253,25 @@ class AgentRunner:
                 self.lost.add(node)
                 print(f"hpctrain: the agent on {node} did not start (see {logs}/agent-{node}.log): node left out",
                       file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _hello(sock: socket.socket) -> tuple[Optional[dict], bytes]:
+        """An agent's first line, {"hello": node, "replica": "host:port", ...}, read within 10 s and 64 KiB;
+        (None, b"") for anything else."""
+        sock.settimeout(10)
+        buf = b""
+        try:
+            while b"\n" not in buf and len(buf) < 65536:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return None, b""
+                buf += chunk
+            line, rest = buf.split(b"\n", 1)
+            hello = json.loads(line)
+        except (OSError, ValueError):
+            return None, b""
+        ok = isinstance(hello, dict) and isinstance(hello.get("hello"), str) and isinstance(hello.get("replica"), str)
+        return (hello, rest) if ok else (None, b"")
 
     def nodes(self) -> list[str]:
         if not self.agents:
@@ -288,7 +300,7 @@ class AgentRunner:
                 while b"\n" in c.buf:
                     line, c.buf = c.buf.split(b"\n", 1)
                     changed |= self._message(c, json.loads(line))
-            if not c.lost and time.monotonic() - c.beat > self.BEAT_TIMEOUT_S:
+            if not c.lost and time.monotonic() - c.beat > self.BEAT_TIMEOUT_S and not self._answers(c):
                 self._lose(c)
                 changed = True
         return changed
@@ -307,6 +319,20 @@ class AgentRunner:
             self.ended[rank] = int(msg["rc"])
             return True
         return False
+
+    CONFIRM_S = 10.0  # beats missing this long: lost even if its node still accepts connections
+
+    def _answers(self, c: AgentConn) -> bool:
+        """An agent whose beats are late but whose node still accepts a connection (its replica server's
+        port) is busy, not lost: starved of CPU by its ranks, say. Up to CONFIRM_S."""
+        if time.monotonic() - c.beat > self.CONFIRM_S:
+            return False
+        try:
+            host, _, port = c.replica.rpartition(":")
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return True
+        except (OSError, ValueError):
+            return False
 
     def _lose(self, c: AgentConn) -> None:
         c.lost = True
@@ -333,6 +359,17 @@ class AgentRunner:
                     pass
         return out
 
+    def _waiting(self, generation: int) -> set[int]:
+        """Ranks that dropped generation `generation` and wait in their process for the next one
+        (hpctrain.distributed.generation.say_waiting)."""
+        out = set()
+        for p in attempt_dir(self.run_dir, generation).glob("waiting-rank-*"):
+            try:
+                out.add(int(p.name.rsplit("-", 1)[1]))
+            except ValueError:
+                pass
+        return out
+
     def _master_port(self, generation: int) -> int:
         if self.slurm:
             return container.master_port(self.job or "0", generation)
@@ -353,10 +390,11 @@ class AgentRunner:
         world = world_size(cfg)
         rank_nodes = {r: nodes[r // tpn] for r in range(world)}
         prev = self.plan
-        reported = self._reported(prev["generation"]) if prev else set()
+        self._pump(0.05)  # a rank that ended a moment ago is not kept
+        waiting = self._waiting(prev["generation"]) if prev else set()
         keep = cfg.launcher.in_process and prev is not None and prev["world"] == world
         survivors = sorted(r for r, (node, _) in self.alive.items()
-                           if keep and r in reported and r not in self.blamed and node == rank_nodes.get(r)
+                           if keep and r in waiting and r not in self.blamed and node == rank_nodes.get(r)
                            and self.agents[node].states.get(r) != "stopped")
         self._kill([r for r in self.alive if r not in survivors])
         ring = [n for n in nodes if n in {rank_nodes[r] for r in rank_nodes}]
@@ -405,17 +443,18 @@ class AgentRunner:
                 if len(self.ended) == world:
                     return Ended(0, {}, None)
                 continue
-            # A failure: wait until every rank has ended, reported or is stopped, or is quiet.
+            # A failure: wait until every rank has ended, is waiting for the next generation, or is stopped.
             # Every rank able to say something has said it within QUIET_S of the last word; one that
             # stays silent longer is the stopped or stuck one (the supervisor blames it).
-            accounted = all(r in self.ended or r in reported or self._stopped(r) for r in range(world))
+            waiting = self._waiting(generation)
+            accounted = all(r in self.ended or r in waiting or self._stopped(r) for r in range(world))
             quiet = time.monotonic() - last_change
             if (accounted and quiet > self.QUIET_S) or quiet > 2 * self.QUIET_S or time.monotonic() - failed_at > hang_s:
                 if len(self.ended) == world and not bad:
                     return Ended(0, {}, None)
                 return self._ended(bad)
-            if reported != getattr(self, "_seen", None):
-                self._seen = reported
+            if (reported, waiting) != getattr(self, "_seen", None):
+                self._seen = (reported, waiting)
                 last_change = time.monotonic()
 
     def _stopped(self, rank: int) -> bool:

@@ -171,7 +171,7 @@ class Supervisor:
             return nodes
         want = self.cfg.cluster.nodes
         if len(nodes) >= want:
-            return nodes[:want]
+            return keep_places(self._last_nodes(), nodes, want)
         try:
             cfg, n, change = shrink_to_fit(self.cfg, len(nodes), self.cfg.launcher.min_nodes)
         except ConfigError as e:
@@ -272,6 +272,10 @@ class Supervisor:
             records[-1]["restarted_at"] = when
             write_jsonl(self.run_dir / INTERRUPTIONS, records)
 
+    def _last_nodes(self) -> list[str]:
+        runs = read_jsonl(self.run_dir / "attempts.jsonl")
+        return list(runs[-1].get("nodes", [])) if runs else []
+
     def _replaced(self, nodes: list[str]) -> None:
         """A start on as many nodes as the last, some of them new: spares that took lost nodes' places
         (cluster.spare_nodes), recorded with the interruption ({"n2": "n3"})."""
@@ -324,6 +328,23 @@ class Supervisor:
         forward = getattr(self.runner, "forward", None)
         if forward is not None:
             forward(signum)
+
+
+def keep_places(last: list[str], usable: list[str], want: int) -> list[str]:
+    """The `want` nodes of the next start: the last start's in their places where still usable, a lost
+    one's place taken by the next unused node (a spare), so that only the lost node's ranks move."""
+    if len(last) != want:
+        return usable[:want]
+    free = [n for n in usable if n not in last]
+    out = []
+    for n in last:
+        if n in usable:
+            out.append(n)
+        elif free:
+            out.append(free.pop(0))
+        else:
+            return usable[:want]
+    return out
 
 
 def supervise(run_dir: str | os.PathLike, lock: RunLock | None = None) -> int:
