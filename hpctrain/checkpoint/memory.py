@@ -319,7 +319,10 @@ class MemorySnapshots:
         os.replace(slot.path, self.own / final)
         slot.path = self.own / final
         self._complete[final] = slot
-        self._prune(job.step)
+        try:
+            self._prune(job.step)
+        except OSError as e:  # the snapshot is published: a failed clean-up must not take it back
+            log.warning("memory snapshots: pruning %s failed: %s", self.own, e)
         return True
 
     def _prune(self, newest: int) -> None:

@@ -483,7 +483,8 @@ class CheckpointConfig:
     steps; disk checkpoints go on at checkpoint.every. Turns on the node agents and the in-process
     restart of surviving ranks (launcher local, slurm, sbatch; docs/recovery.md)."""
     memory_dir: str = "/dev/shm"
-    """A tmpfs on every node where snapshots live (<memory_dir>/hpctrain-<job>-<run id>/)."""
+    """A tmpfs on every node where snapshots live (<memory_dir>/hpctrain-<job>-<run id>-<node>/); a directory on
+    another file system is refused (the login node checks it for launcher=local, each node agent on its node)."""
     memory_budget: float = 0.25
     """Fraction of cluster.host_mem_gb the snapshots may take on a node (ranks per node x state x 5:
     two steps of its own, two of the partner's replica, one being written); above it the login node

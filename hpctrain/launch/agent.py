@@ -10,7 +10,7 @@ What it does, torch-free:
 - tells the supervisor, every BEAT_S, how its ranks are (running, stopped by SIGSTOP, ended with a code):
   a node whose beats stop is lost, faster and surer than asking Slurm (slurmctld learns it only after
   SlurmdTimeout);
-- owns the node's snapshot directory (<checkpoint.memory_dir>/hpctrain-<job>-<run id>/), on a tmpfs: the
+- owns the node's snapshot directory (<checkpoint.memory_dir>/hpctrain-<job>-<run id>-<node>/), on a tmpfs: the
   ranks write their snapshots into own/, the pusher (hpctrain.core.replica) copies each to the partner
   node's agent, which keeps them in peer/, and serves both to ranks restoring on other nodes. The
   directory goes when the agent ends, as the node's RAM would.
