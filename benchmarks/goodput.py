@@ -280,7 +280,9 @@ def step_stats(metrics: list[dict]) -> dict:
 def requeued(job: str) -> bool:
     """Whether Slurm requeued the job (sacct -D lists each requeued run of it as a row of its own)."""
     a = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True)
-    states = [s for s in a.stdout.split("\n") if s.strip()]
+    # A row RESIZING is not a start: Slurm's record of the allocation shrinking when a node of a --no-kill
+    # job goes down (after SlurmdTimeout), with the job running on.
+    states = [s for s in a.stdout.split("\n") if s.strip() and s.strip() != "RESIZING"]
     return len(states) > 1 or any(s.startswith("REQUEUE") for s in states)
 
 
@@ -331,7 +333,10 @@ def run_with_failures(run_dir: Path, minutes: float, steps: int) -> dict:
     from hpctrain.core.rundir import INTERRUPTIONS, read_jsonl
 
     plan = schedule(minutes)
-    job = submit_with(run_dir, [*MAIN, f"train.steps={steps}", f"cluster.time='{cluster_time(minutes)}'"], SLOW)
+    # One restart per failure, and room: the default launcher.max_restarts=3 would end a 15-minute run at
+    # its 4th failure.
+    job = submit_with(run_dir, [*MAIN, f"train.steps={steps}", f"cluster.time='{cluster_time(minutes)}'",
+                                f"launcher.max_restarts={len(plan) + 2}"], SLOW)
     print(f"  job {job}: {run_dir}, {steps} steps, failures at {[f'{t:.0f} s {k}' for t, k in plan]}", flush=True)
     injected: list[dict] = []
     deadline = time.monotonic() + minutes * 60 + 900

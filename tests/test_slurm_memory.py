@@ -42,9 +42,12 @@ def kill_node(node: str) -> None:
 
 
 def records_of_job(job: str) -> list[str]:
-    """sacct's records of the job with its duplicates (-D): a requeued job has one per start."""
-    return subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State"], capture_output=True,
+    """sacct's records of the job with its duplicates (-D): a requeued job has one per start. (A RESIZING
+    row is Slurm's record of the allocation shrinking once the lost node is marked down, SlurmdTimeout
+    after its loss, the job running on: not a start.)"""
+    rows = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State"], capture_output=True,
                           text=True, timeout=30).stdout.split()
+    return [r for r in rows if not r.endswith("|RESIZING")]
 
 
 def newest_ranks(run_dir: Path) -> dict:
