@@ -274,7 +274,7 @@ def step_stats(metrics: list[dict]) -> dict:
     snap = [m["snapshot_ms"] for m in metrics if isinstance(m.get("snapshot_ms"), (int, float))]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {"step_time_s": med(times), "step_period_s": med(periods), "snapshot_ms": med(snap),
-            "snapshot_skipped": max((m.get("snapshot_skipped") or 0 for m in metrics), default=0)}
+            "snapshot_waited": max((m.get("snapshot_waited") or 0 for m in metrics), default=0)}
 
 
 def requeued(job: str) -> bool:
@@ -448,7 +448,7 @@ def main_minutes(a) -> int:
     print(f"step time, median: {fmt(base['step_time_s'], '.3f', ' s')} without snapshots, "
           f"{fmt(run_res['step_time_s'], '.3f', ' s')} with; per step incl. what blocks the loop: "
           f"{fmt(base['step_period_s'], '.3f', ' s')} / {fmt(run_res['step_period_s'], '.3f', ' s')}; "
-          f"snapshot_ms median {fmt(run_res['snapshot_ms'], '.1f')}, skipped {run_res['snapshot_skipped']}")
+          f"snapshot_ms median {fmt(run_res['snapshot_ms'], '.1f')}, waited for the writer {run_res['snapshot_waited']}")
     print(f"goodput {run_res['goodput']:.1%} ({run_res['productive_s']:.0f} s productive of {run_res['wall_s']:.0f} s; "
           f"job {run_res['state']}{', requeued' if run_res['requeued'] else ''})")
     print(f"targets (crash <= {TARGETS['crash_recover_s']:.0f} s, lost node <= {TARGETS['node_recover_s']:.0f} s, "

@@ -118,14 +118,14 @@ def test_step_stats(bench):
     # snapshot_ms not read.
     m = [{"step": 1, "time": 10.0, "step_time_s": 0.1, "snapshot_ms": 2.0},
          {"step": 2, "time": 10.2, "step_time_s": 0.1, "snapshot_ms": 3.0},
-         {"step": 3, "time": 10.4, "step_time_s": 0.1, "snapshot_ms": 2.0, "snapshot_skipped": 1},
+         {"step": 3, "time": 10.4, "step_time_s": 0.1, "snapshot_ms": 2.0, "snapshot_waited": 1},
          {"step": 3, "time": 15.0, "step_time_s": 0.3},  # redone after a restart
          {"step": 4, "time": 15.2, "step_time_s": 0.1}]
     s = bench.step_stats(m)
     assert s["step_time_s"] == 0.1 and s["step_period_s"] == pytest.approx(0.2)
-    assert s["snapshot_ms"] == 2.0 and s["snapshot_skipped"] == 1
+    assert s["snapshot_ms"] == 2.0 and s["snapshot_waited"] == 1
     assert bench.step_stats([]) == {"step_time_s": None, "step_period_s": None, "snapshot_ms": None,
-                                    "snapshot_skipped": 0}
+                                    "snapshot_waited": 0}
 
 
 def test_the_report_says_where_each_restart_restored_from(tmp_path):

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import types
-import zlib
 from pathlib import Path
 
 import pytest

@@ -14,7 +14,7 @@ import pytest
 
 from hpctrain.core.rundir import read_jsonl
 
-from helpers import REPO, wait_until
+from helpers import REPO
 from test_slurm_faults import finished, reach
 from test_slurm_requeue import losses, local_reference, slurm_log, submit_sbatch
 

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import shutil
 import threading
 import time
