@@ -37,8 +37,8 @@ def three_nodes(slurm):
     start(2)
 
 
-def kill_node(node: str) -> None:
-    subprocess.run(["bash", str(REPO / "slurm" / "kill_node.sh"), node], check=True, timeout=30)
+def kill_node(*nodes: str) -> None:
+    subprocess.run(["bash", str(REPO / "slurm" / "kill_node.sh"), *nodes], check=True, timeout=60)
 
 
 def records_of_job(job: str) -> list[str]:
@@ -106,8 +106,7 @@ def test_a_node_and_its_replica_partner_lost_fall_back_to_disk(three_nodes, tmp_
                         "checkpoint.memory_every=1", "cluster.nodes=3", fault=SLOW)
     try:
         reach(run_dir, job, 12)
-        kill_node("n2")
-        kill_node("n3")
+        kill_node("n2", "n3")  # one kill: both nodes die at once
         (rec,) = finished(run_dir, job, steps=24)
     finally:
         subprocess.run(["scancel", job], timeout=30)

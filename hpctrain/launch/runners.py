@@ -345,6 +345,11 @@ class AgentRunner:
             if node == c.node:
                 del self.alive[rank]
                 self.ended[rank] = -signal.SIGKILL
+        # Ranks this generation placed there that had not started yet (the node died during the start):
+        # lost too, or the others would wait for them at the rendezvous until launcher.timeout_s.
+        for r, node in ((self.plan or {}).get("rank_nodes") or {}).items():
+            if node == c.node and int(r) not in self.ended:
+                self.ended[int(r)] = -signal.SIGKILL
 
     # ------------------------------------------------------------------ a generation
 
@@ -416,6 +421,9 @@ class AgentRunner:
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, adir / PLAN)  # survivors poll for it: whole or absent
         self.plan, self.ended, self.blamed = plan, {}, set()
+        for node in ring:  # lost between the supervisor's choice of nodes and now
+            if self.agents[node].lost:
+                self._lose(self.agents[node])
         if survivors:
             print(f"hpctrain: generation {attempt}: rank(s) {', '.join(map(str, survivors))} go on in their "
                   f"process; starting {world - len(survivors)} rank(s) from the node agents", file=sys.stderr,
