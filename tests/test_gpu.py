@@ -15,7 +15,8 @@ as passing.
   through its ring on a cp group of one, and document-masked training in bf16 against fp32 on the CPU.
   (CP over two ranks needs two GPUs: NCCL refuses two ranks on one device.)
 - LoRA in bf16 (frozen base stored in bf16, fp32 adapters) under FSDP2 and under DDP's autocast, against
-  fp32 on the CPU.
+  fp32 on the CPU;
+- a memory snapshot (checkpoint.memory_every) of device tensors through the pinned buffer and its event.
 """
 from __future__ import annotations
 
@@ -468,3 +469,28 @@ def test_qlora_nf4_base_on_cuda_equals_its_dequantised_weight():
     ref.float().square().sum().backward()
     assert torch.equal(y, ref) and torch.allclose(x.grad, ref_x.grad, rtol=1e-2, atol=1e-3)
     assert nf4_bytes(q) <= 0.53 * w.numel()
+
+
+def test_memory_snapshot_of_cuda_tensors_round_trips(tmp_path):
+    """checkpoint.memory_every on CUDA (issue 47): the snapshot's copy is a non_blocking device-to-host copy into
+    a reused pinned buffer, and the writer thread waits for its event before filling the file. The file must hold
+    the tensors as they were at the step, not as the next step changed them, and a restore puts them back on the
+    device. Mutant: the event not waited for (the file holds what the pinned buffer had before the copy)."""
+    from test_memory_snapshot import FakeManager
+
+    from hpctrain.checkpoint.memory import MemorySnapshots
+
+    m = FakeManager(tmp_path / "run")
+    m.w = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    m.state["model"]["w"] = m.w
+    ms = MemorySnapshots(m, tmp_path / "mem", every=2, plan=None)
+    big = torch.randn(4096, 4096, device="cuda")  # keeps the stream busy while the copy is queued
+    (big @ big).sum()
+    m.w.fill_(2.0)
+    assert "snapshot_ms" in ms.after_step(2)
+    m.w.fill_(-1.0)  # the next step's update, queued after the copy on the same stream
+    ms.wait()
+    loaded = ms.prepare(2, "own", None, m.state)
+    loaded.apply(m.objects)
+    assert m.w.is_cuda and m.w.eq(2.0).all()
+    ms.close()
