@@ -456,8 +456,12 @@ class AgentRunner:
             # stays silent longer is the stopped or stuck one (the supervisor blames it).
             waiting = self._waiting(generation)
             accounted = all(r in self.ended or r in waiting or self._stopped(r) for r in range(world))
+            # A rank that reported and lives is tearing down to wait in its process: given until hang_s to
+            # say so (slow under load), or it would be killed and forked afresh for nothing.
+            tearing = any(r in reported and r in self.alive and r not in waiting for r in range(world))
             quiet = time.monotonic() - last_change
-            if (accounted and quiet > self.QUIET_S) or quiet > 2 * self.QUIET_S or time.monotonic() - failed_at > hang_s:
+            if (accounted and quiet > self.QUIET_S) or (not tearing and quiet > 2 * self.QUIET_S) \
+                    or time.monotonic() - failed_at > hang_s:
                 if len(self.ended) == world and not bad:
                     return Ended(0, {}, None)
                 return self._ended(bad)
