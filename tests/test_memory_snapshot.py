@@ -506,3 +506,18 @@ def _worker(root: Path, port: int) -> None:
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     _worker(Path(sys.argv[2]), int(sys.argv[3]))
+
+
+def test_a_fifo_or_a_link_is_not_read_as_a_snapshot(tmp_path):
+    """A FIFO under a snapshot's name would block the reader forever; a symbolic link could point anywhere.
+    Mutant: a plain open() (the FIFO hangs the test; the link is followed)."""
+    real = tmp_path / "real.hsnap"
+    real.write_bytes(b"x" * 64)
+    fifo = tmp_path / snapfile.name(1, 0)
+    os.mkfifo(fifo)
+    with pytest.raises(DamagedSnapshot, match="is not a regular file"):
+        snapfile.read_header(fifo)
+    link = tmp_path / snapfile.name(2, 0)
+    link.symlink_to(real)
+    with pytest.raises(DamagedSnapshot, match="unreadable"):
+        snapfile.read_header(link)

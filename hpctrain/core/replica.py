@@ -110,6 +110,16 @@ def _recv_line(sock: socket.socket) -> str:
             raise ReplicaError(f"header line longer than {LINE_MAX} bytes")
 
 
+def _receive(sock: socket.socket, path: Path, nbytes: int, mode: int) -> int:
+    """`nbytes` from `sock` into a new file (`mode`: O_EXCL, or O_TRUNC for the caller's own temporary);
+    the crc32 of what came."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | mode, 0o600)
+    try:
+        return _recv_to_file(sock, fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 def _recv_to_file(sock: socket.socket, fd: int, nbytes: int) -> int:
     """Copy exactly nbytes from the socket into fd; returns their crc32. Raises when the peer stops early."""
     buf = bytearray(min(CHUNK, max(nbytes, 1)))
@@ -234,11 +244,7 @@ class ReplicaServer:
         # A unique temporary per connection: a retry while a cut transfer still times out never shares it.
         tmp = self.peer / f".tmp-{name}-{next(self._tmp_ids)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                got = _recv_to_file(conn, fd, nbytes)
-            finally:
-                os.close(fd)
+            got = _receive(conn, tmp, nbytes, os.O_EXCL)
             if got != crc:
                 raise ReplicaError(f"crc mismatch: the bytes give {got}, the header says {crc}")
             # The snapshot's own header must say what its name says: a file read while its writer
@@ -322,11 +328,7 @@ def get(addr: str, name: str, dest: Path, timeout_s: float = 60, why: Optional[l
             if line.startswith("ERR"):
                 raise ReplicaError(f"{addr}: {line}")
             nbytes, crc = _parse_size_crc(line.split(" "), MAX_BYTES)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                got = _recv_to_file(s, fd, nbytes)
-            finally:
-                os.close(fd)
+            got = _receive(s, tmp, nbytes, os.O_TRUNC)
         if got != crc:
             raise ReplicaError(f"crc mismatch fetching {name} from {addr}: the bytes give {got}, the header says {crc}")
         os.replace(tmp, dest)

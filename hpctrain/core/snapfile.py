@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -109,12 +110,23 @@ def write(path: str | os.PathLike, header: dict, blobs: dict) -> Path:
 
 # ------------------------------------------------------------------------------------------ reading
 
+def open_regular(path: Path):
+    """The file for reading, if it is a regular file reached without a symbolic link: a FIFO would block the
+    reader, a link could point at anything (O_NONBLOCK: opening a FIFO does not wait for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DamagedSnapshot(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def read_header(path: str | os.PathLike) -> dict:
     """The checked header of a snapshot file, with `_payload` (the payload's start) and `_size` (the
     file's) added; DamagedSnapshot names what is wrong. The payload's checksum is verify's."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(16)
             if len(head) < 16:
@@ -192,7 +204,7 @@ def crc_of(buf, start: int, end: int) -> int:
 def verify(path: str | os.PathLike) -> dict:
     """read_header, then the payload's checksum: the header of a snapshot fit to load, else DamagedSnapshot."""
     header = read_header(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if header["_size"] == header["_payload"]:
             crc = 0
         else:
@@ -207,7 +219,7 @@ def verify(path: str | os.PathLike) -> dict:
 def tensor_views(path: str | os.PathLike, header: dict) -> dict[str, memoryview]:
     """{key: read-only memoryview of the tensor's bytes} (mapped, not read): `header` is read_header's of
     this very file (its bounds were checked against it)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if os.fstat(f.fileno()).st_size != header["_size"]:
             raise DamagedSnapshot(f"{path} changed size since its header was read")
         if header["_size"] == 0:
